@@ -1,0 +1,23 @@
+"""lightning-nnscaler: parallelization plans composed from op-trans, op-assign and op-order."""
+
+from lightning_nnscaler._compat import declare_torchvision_ops_when_its_kernels_cannot_load
+
+declare_torchvision_ops_when_its_kernels_cannot_load()
+
+# isort: split
+
+from lightning_nnscaler.capture import CaptureError, flatten_inputs, register_annotation, trace
+from lightning_nnscaler.ir.annotation import DimAnnotation
+from lightning_nnscaler.ir.graph import Graph
+from lightning_nnscaler.ir.interpret import run_graph
+from lightning_nnscaler.ir.op import Op
+from lightning_nnscaler.ir.tensor import IndexMask, PTensor, ValueMask, VTensor
+from lightning_nnscaler.ir.validate import validate_plan
+from lightning_nnscaler.primitives import Constraints, op_assign, op_order, op_trans
+from lightning_nnscaler.verify import assert_equivalent
+
+__all__ = [
+    "CaptureError", "Constraints", "DimAnnotation", "Graph", "IndexMask", "Op", "PTensor", "ValueMask", "VTensor",
+    "assert_equivalent", "flatten_inputs", "op_assign", "op_order", "op_trans", "register_annotation", "run_graph",
+    "trace", "validate_plan",
+]

@@ -1,0 +1,113 @@
+"""Annotations for matmul-like and neural-network ops (linear, attention, norms, losses, conv)."""
+
+from __future__ import annotations
+
+import itertools
+
+from lightning_nnscaler.capture.annotations import _names, _text
+from lightning_nnscaler.capture.registry import register_annotation
+from lightning_nnscaler.ir.op import Op
+
+
+def _batch_names(count: int, taken: str = "kmn") -> list[str]:
+    return list(itertools.islice((name for name in _names() if name not in taken), count))
+
+
+@register_annotation("aten.linear.default")
+def _linear(op: Op) -> str:
+    x, weight, *bias = op.tensor_inputs
+    batch = _batch_names(len(x.shape) - 1)
+    inputs = [batch + ["k+"], ["n", "k+"]] + ([["n"]] if bias else [])
+    return _text(inputs, [batch + ["n"]], (0, 2) if bias else (0,))
+
+
+@register_annotation("aten.mm.default")
+def _mm(op: Op) -> str:
+    return "m k+, k+ n -> m n; value 0"
+
+
+@register_annotation("aten.bmm.default")
+def _bmm(op: Op) -> str:
+    return "b m k+, b k+ n -> b m n; value 0"
+
+
+def _bias_spec(shape: tuple[int, ...], out_names: list[str], out_shape: tuple[int, ...]) -> list[str]:
+    offset = len(out_shape) - len(shape)
+    return [out_names[offset + i] if size == out_shape[offset + i] else "1" for i, size in enumerate(shape)]
+
+
+@register_annotation("aten.addmm.default", "aten.baddbmm.default")
+def _addmm(op: Op) -> str:
+    bias, first, _ = op.tensor_inputs
+    out = ["m", "n"] if op.target == "aten.addmm.default" else ["b", "m", "n"]
+    left = out[:-1] + ["k+"]
+    right = out[:-2] + ["k+", "n"]
+    return _text([_bias_spec(bias.shape, out, op.outputs[0].shape), left, right], [out], (0, 1))
+
+
+@register_annotation("aten.matmul.default")
+def _matmul(op: Op) -> str | None:
+    left, right = op.tensor_inputs
+    if len(left.shape) < 2 or len(right.shape) < 2:
+        return None
+    out_shape = op.outputs[0].shape
+    batch = _batch_names(len(out_shape) - 2)
+    out = batch + ["m", "n"]
+    left_batch = _bias_spec(left.shape[:-2], batch, out_shape[:-2])
+    right_batch = _bias_spec(right.shape[:-2], batch, out_shape[:-2])
+    return _text([left_batch + ["m", "k+"], right_batch + ["k+", "n"]], [out], (0,))
+
+
+@register_annotation("aten.scaled_dot_product_attention.default")
+def _attention(op: Op) -> str | None:
+    query, key, value, *mask = op.tensor_inputs
+    if len(query.shape) != 4 or key.shape[1] != query.shape[1]:
+        return None  # grouped-query attention or unbatched: heads do not line up
+    is_causal = op.args[5] if len(op.args) > 5 else op.kwargs_dict.get("is_causal", False)
+    # Causal masking aligns query row i with key i, so only whole query ranges stay correct.
+    rows = "l^" if is_causal else "l"
+    inputs = [["b", "h", rows, "e^"], ["b", "h", "s^", "e^"], ["b", "h", "s^", "f"]]
+    if mask:
+        inputs.append(_bias_spec(mask[0].shape, ["b", "h", "l", "s"], (*query.shape[:3], key.shape[2])))
+    return _text(inputs, [["b", "h", "l", "f"]])
+
+
+@register_annotation("aten.embedding.default")
+def _embedding(op: Op) -> str:
+    _, indices = op.tensor_inputs
+    index_names = _batch_names(len(indices.shape), taken="vd")
+    return _text([["v^", "d"], index_names], [index_names + ["d"]], (0,))
+
+
+@register_annotation("aten.layer_norm.default")
+def _layer_norm(op: Op) -> str:
+    x, *affine = op.tensor_inputs
+    normalized = len(op.args[1])
+    batch = _batch_names(len(x.shape) - normalized, taken="")
+    features = [f"f{i}^" for i in range(normalized)]
+    return _text([batch + features] + [features] * len(affine), [batch + features])
+
+
+@register_annotation("aten.cross_entropy_loss.default", "aten.nll_loss_nd.default", "aten.nll_loss.default")
+def _classification_loss(op: Op) -> str | None:
+    logits, target, *weight = op.tensor_inputs
+    reduction = op.args[3] if len(op.args) > 3 else op.kwargs_dict.get("reduction", 1)
+    if reduction == 1 or len(logits.shape) < 2:
+        return None  # a mean needs the global count: capture rewrites it into sum / count
+    mark = "+" if reduction == 2 else ""
+    extra = [f"d{i}{mark}" for i in range(len(logits.shape) - 2)]
+    inputs = [["n" + mark, "c^"] + extra, ["n" + mark] + extra] + [["c^"]] * len(weight)
+    out = [] if reduction == 2 else ["n"] + extra
+    return _text(inputs, [out])
+
+
+@register_annotation("aten.conv2d.default", "aten.conv1d.default")
+def _convolution(op: Op) -> str | None:
+    x, weight, *bias = op.tensor_inputs
+    groups = op.args[6] if len(op.args) > 6 else op.kwargs_dict.get("groups", 1)
+    if groups != 1:
+        return None
+    spatial = len(x.shape) - 2
+    inputs = [["n", "c+"] + [f"i{d}^" for d in range(spatial)], ["o", "c+"] + [f"w{d}^" for d in range(spatial)]]
+    inputs += [["o"]] * len(bias)
+    return _text(inputs, [["n", "o"] + [f"j{d}^" for d in range(spatial)]], (0, 2) if bias else (0,))

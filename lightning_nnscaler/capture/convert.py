@@ -1,0 +1,214 @@
+"""Convert a ``torch.export`` program into the IR Graph (see ``trace``)."""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from lightning_nnscaler.capture.registry import annotate_op
+from lightning_nnscaler.ir.graph import Graph
+from lightning_nnscaler.ir.op import Op
+from lightning_nnscaler.ir.tensor import PTensor, VTensor
+
+
+class CaptureError(RuntimeError):
+    """The model (or part of it) cannot be captured into the IR; the message says what to change."""
+
+
+_ROLE = {
+    InputKind.PARAMETER: "parameter",
+    InputKind.BUFFER: "buffer",
+    InputKind.CONSTANT_TENSOR: "constant",
+    InputKind.USER_INPUT: "input",
+}
+_DROPPED = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default"}
+_SAME_AS = {"aten.lift_fresh_copy.default": "aten.clone.default", "aten.detach_.default": "aten.detach.default"}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class _Converter:
+    def __init__(self, exported: ExportedProgram, named_parameters: dict[str, torch.nn.Parameter], prefix: str) -> None:
+        self.exported = exported
+        self.named_parameters = named_parameters
+        self.prefix = prefix
+        self.graph = Graph()
+        self.values: dict[fx.Node, Any] = {}
+        self.op_names: set[str] = set()
+
+    def unique(self, name: str, taken: Any) -> str:
+        candidate, index = name, 1
+        while candidate in taken:
+            candidate, index = f"{name}_{index}", index + 1
+        return candidate
+
+    def add_tensor(self, name: str, value: torch.Tensor, role: str = "activation", **fields: Any) -> VTensor:
+        tensor = PTensor(self.unique(name, self.graph.tensors), tuple(int(s) for s in value.shape), _dtype_name(value.dtype), role, **fields)  # type: ignore[arg-type]
+        self.graph.tensors[tensor.name] = tensor
+        return tensor.full()
+
+    def run(self) -> Graph:
+        signature = self.exported.graph_signature
+        specs = {spec.arg.name: spec for spec in signature.input_specs if hasattr(spec.arg, "name")}
+        for node in self.exported.graph.nodes:
+            if node.op == "placeholder":
+                self.placeholder(node, specs[node.name])
+            elif node.op == "call_function":
+                self.call(node, self.exported.graph_module, no_grad=False)
+            elif node.op == "output":
+                self.output(node, signature)
+        return self.graph
+
+    def placeholder(self, node: fx.Node, spec: Any) -> None:
+        role = _ROLE.get(spec.kind)
+        if role is None:
+            raise CaptureError(f"graph input {node.name!r} of kind {spec.kind.name} is not supported")
+        value = node.meta["val"]
+        if not isinstance(value, torch.Tensor):
+            raise CaptureError(f"input {node.name!r} is a {type(value).__name__}; only tensors can be graph inputs")
+        key = spec.target.removeprefix(self.prefix) if spec.target else None
+        requires_grad = role == "parameter" and self.named_parameters[spec.target].requires_grad
+        piece = self.add_tensor(node.name, value, role, state_key=key if role in ("parameter", "buffer") else None, requires_grad=requires_grad)
+        if role == "constant":
+            self.graph.constant_values[piece.name] = self.exported.constants[spec.target]
+        self.graph.inputs.append(piece.name)
+        self.values[node] = piece
+
+    def output(self, node: fx.Node, signature: Any) -> None:
+        returned = node.args[0]
+        for spec, value in zip(signature.output_specs, returned):
+            if spec.kind != OutputKind.USER_OUTPUT:
+                continue  # buffer mutations (e.g. BatchNorm running stats) are not replayed
+            piece = self.values.get(value) if isinstance(value, fx.Node) else None
+            if not isinstance(piece, VTensor):
+                raise CaptureError(f"the traced function returns {value!r}; only tensors can be outputs")
+            self.graph.outputs.append(piece.name)
+
+    def call(self, node: fx.Node, owner: fx.GraphModule, no_grad: bool) -> None:
+        if node.target is operator.getitem:
+            self.values[node] = self.values[node.args[0]][node.args[1]]
+            return
+        if node.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
+            enabled, submodule_node, *operands = node.args
+            self.values[node] = self.inline(getattr(owner, submodule_node.target), operands, no_grad=no_grad or not enabled)
+            return
+        if not isinstance(node.target, torch._ops.OpOverload):
+            raise CaptureError(f"op {node.name!r} calls {node.target!r}, which the IR cannot represent; write it with torch operators")
+        target = _SAME_AS.get(str(node.target), str(node.target))
+        if target in _DROPPED:
+            return
+        args = fx.node.map_arg(node.args, self.values.__getitem__)
+        kwargs = fx.node.map_arg(node.kwargs, self.values.__getitem__)
+        args, kwargs = _plain(args), _plain(kwargs)
+        if node.target._schema.is_mutable and target == str(node.target):
+            target = self.out_of_place(node)
+        decompose = _DECOMPOSITIONS.get(target)
+        if decompose is not None and decompose(self, node, args, kwargs, no_grad):
+            return
+        self.values[node] = self.emit(node.name, target, args, kwargs, node.meta["val"], no_grad)
+
+    def emit(self, name: str, target: str, args: Any, kwargs: dict[str, Any], value: Any, no_grad: bool) -> Any:
+        """Add one op; returns its output piece (or a tuple of them for tuple outputs)."""
+        op_name = self.unique(name, self.op_names)
+        self.op_names.add(op_name)
+        if isinstance(value, torch.Tensor):
+            outputs: tuple[VTensor, ...] = (self.add_tensor(op_name, value),)
+            result: Any = outputs[0]
+        elif isinstance(value, (tuple, list)) and all(isinstance(item, torch.Tensor) for item in value):
+            outputs = tuple(self.add_tensor(f"{op_name}_{index}", item) for index, item in enumerate(value))
+            result = outputs
+        else:
+            raise CaptureError(f"op {op_name!r} ({target}) returns {type(value).__name__}; only tensor results are supported")
+        op = Op(name=op_name, target=target, args=tuple(args), kwargs=tuple(kwargs.items()), outputs=outputs, no_grad=no_grad)
+        self.graph.ops.append(replace(op, annotation=annotate_op(op)))
+        return result
+
+    def inline(self, submodule: fx.GraphModule, operands: list[Any], no_grad: bool) -> Any:
+        placeholders = [node for node in submodule.graph.nodes if node.op == "placeholder"]
+        for placeholder, operand in zip(placeholders, operands, strict=True):
+            self.values[placeholder] = self.values[operand]
+        for node in submodule.graph.nodes:
+            if node.op == "call_function":
+                self.call(node, submodule, no_grad)
+            elif node.op == "output":
+                return tuple(self.values[item] for item in node.args[0])
+        raise CaptureError("a no_grad region has no output")
+
+    def out_of_place(self, node: fx.Node) -> str:
+        """The functional form of an in-place op; refuses when the mutated tensor is read later."""
+        packet = node.target.overloadpacket.__name__
+        functional = getattr(getattr(torch.ops.aten, packet.rstrip("_"), None), node.target._overloadname, None)
+        mutated = node.args[0]
+        if functional is None or not packet.endswith("_") or not isinstance(mutated, fx.Node) or mutated.op == "placeholder":
+            raise CaptureError(f"op {node.name!r} ({node.target}) mutates a tensor in place; write it out of place")
+        order = {candidate: index for index, candidate in enumerate(node.graph.nodes)}
+        later = [user.name for user in mutated.users if user is not node and order[user] > order[node]]
+        if later:
+            raise CaptureError(
+                f"op {node.name!r} ({node.target}) changes {mutated.name!r} in place, and {later} read it afterwards; "
+                "write it out of place (y = x.op(...) instead of x.op_(...))"
+            )
+        return str(functional)
+
+
+def _plain(value: Any) -> Any:
+    """fx's immutable containers as plain lists/dicts."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_plain(item) for item in value]
+        return items if isinstance(value, list) else tuple(items)
+    return value
+
+
+def _decompose_mean(converter: _Converter, node: fx.Node, args: Any, kwargs: dict, no_grad: bool) -> bool:
+    source: VTensor = args[0]
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    if kwargs.get("dtype") is not None or not source.tensor.dtype.startswith(("float", "bfloat", "complex")):
+        return False
+    rank = len(source.shape)
+    reduced = list(range(rank)) if not dims else sorted({int(d) % max(rank, 1) for d in dims})
+    count = math.prod(source.shape[d] for d in reduced)
+    value = node.meta["val"]
+    total = converter.emit(f"{node.name}_sum", "aten.sum.dim_IntList", [source, reduced, keepdim], {}, value, no_grad)
+    converter.values[node] = converter.emit(node.name, "aten.div.Scalar", [total, count], {}, value, no_grad)
+    return True
+
+
+def _decompose_cross_entropy(converter: _Converter, node: fx.Node, args: Any, kwargs: dict, no_grad: bool) -> bool:
+    """mean cross-entropy = sum / (number of targets not ignored): both parts split exactly by batch."""
+    names = ["self", "target", "weight", "reduction", "ignore_index", "label_smoothing"]
+    defaults = {"weight": None, "reduction": 1, "ignore_index": -100, "label_smoothing": 0.0}
+    bound = {**defaults, **dict(zip(names, args)), **kwargs}
+    if bound["reduction"] != 1 or bound["weight"] is not None:
+        return False
+    value = node.meta["val"]
+    summed_args = [bound["self"], bound["target"], None, 2, bound["ignore_index"], bound["label_smoothing"]]
+    total = converter.emit(f"{node.name}_sum", node.target.__str__(), summed_args, {}, value, no_grad)
+    target_meta = torch.empty(bound["target"].shape, dtype=torch.bool)
+    kept = converter.emit(f"{node.name}_kept", "aten.ne.Scalar", [bound["target"], bound["ignore_index"]], {}, target_meta, no_grad)
+    count = converter.emit(f"{node.name}_count", "aten.sum.default", [kept], {}, torch.empty((), dtype=torch.int64), no_grad)
+    converter.values[node] = converter.emit(node.name, "aten.div.Tensor", [total, count], {}, value, no_grad)
+    return True
+
+
+_DECOMPOSITIONS = {
+    "aten.mean.dim": _decompose_mean,
+    "aten.mean.default": _decompose_mean,
+    "aten.cross_entropy_loss.default": _decompose_cross_entropy,
+}
+
+
+def convert(exported: ExportedProgram, named_parameters: dict[str, torch.nn.Parameter], prefix: str = "") -> Graph:
+    """Turn an exported program into the IR; ``prefix`` is stripped from state_dict keys."""
+    return _Converter(exported, named_parameters, prefix).run()

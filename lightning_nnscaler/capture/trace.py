@@ -1,0 +1,133 @@
+"""Capture: a module (or a LightningModule's training step) plus example inputs -> IR Graph.
+
+``torch.export`` (non-strict) produces an ATen graph; ``convert`` then turns it into the IR:
+parameters and buffers become named graph inputs that keep their ``state_dict`` keys, regions run
+under ``torch.no_grad()`` become ops marked ``no_grad``, in-place ops become their out-of-place
+forms, and means are rewritten as sum / count so that a split batch stays exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from lightning_nnscaler.capture.convert import CaptureError, convert
+from lightning_nnscaler.ir.graph import Graph
+
+
+class _TrainingStep(nn.Module):
+    """Exposes ``training_step(batch, 0)`` as ``forward(batch)`` returning the loss tensor."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        output = self.module.training_step(batch, 0)
+        if isinstance(output, dict):
+            output = output.get("loss")
+        if not isinstance(output, torch.Tensor):
+            raise CaptureError(
+                f"{type(self.module).__name__}.training_step returned {type(output).__name__}; it must return the "
+                "loss tensor or a dict with a 'loss' tensor"
+            )
+        return output
+
+
+class _Forward(nn.Module):
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any) -> Any:
+        return self.module(*args)
+
+
+def trace(module: nn.Module, example_args: Any, *, step: str | None = None) -> Graph:
+    """Capture ``module`` into an IR Graph.
+
+    Args:
+        module: Any ``nn.Module``; for a LightningModule pass ``step="training_step"`` to capture
+            the computation from a batch to the loss.
+        example_args: A tuple of positional arguments for ``forward``, or the batch when ``step``
+            is given. Tensors may be nested in tuples, lists and dicts.
+        step: ``None`` to capture ``forward``, or ``"training_step"``.
+
+    Returns:
+        The graph; its user inputs follow ``flatten_inputs(example_args)``.
+
+    Raises:
+        CaptureError: naming the submodule whose code could not be captured and what to change.
+    """
+    if step not in (None, "training_step"):
+        raise CaptureError(f"step={step!r} is not supported; use None (forward) or 'training_step'")
+    if step == "training_step":
+        wrapper: nn.Module = _TrainingStep(module)
+        args: tuple[Any, ...] = (example_args,)
+    else:
+        wrapper = _Forward(module)
+        args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
+    module_paths = {id(sub): name or type(module).__name__ for name, sub in module.named_modules()}
+    with _silenced_logging(module):
+        try:
+            exported = torch.export.export(wrapper, args, strict=False)
+        except CaptureError:
+            raise
+        except Exception as error:  # noqa: BLE001 - every export failure gets the module path
+            raise CaptureError(_explain(error, module_paths, type(module).__name__)) from error
+    named_parameters = dict(wrapper.named_parameters())
+    return convert(exported, named_parameters, prefix="module.")
+
+
+def flatten_inputs(example_args: Any, *, step: str | None = None) -> list[torch.Tensor]:
+    """The tensors of ``example_args`` in the order of the traced graph's user inputs."""
+    args = (example_args,) if step == "training_step" else (
+        tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
+    )
+    leaves, _ = pytree.tree_flatten(args)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+@contextlib.contextmanager
+def _silenced_logging(module: nn.Module) -> Iterator[None]:
+    """LightningModule.log needs a Trainer; tracing runs without one, so logging is a no-op here."""
+    patched = [name for name in ("log", "log_dict") if hasattr(module, name)]
+    for name in patched:
+        setattr(module, name, lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        for name in patched:
+            delattr(module, name)
+
+
+def _explain(error: Exception, module_paths: dict[int, str], module_name: str) -> str:
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    location = _innermost_user_module(error, module_paths) or module_name
+    return (
+        f"cannot capture module {location!r}: {type(error).__name__}: {detail}\n"
+        "torch.export runs the code with symbolic tensors: Python control flow on tensor values "
+        "(if/while on a tensor, .item(), .tolist(), numpy conversions) cannot be captured. "
+        "Use torch.where or torch.cond instead, or move that code out of the traced step."
+    )
+
+
+def _innermost_user_module(error: BaseException, module_paths: dict[int, str]) -> str | None:
+    """The path of the deepest user module whose code was running when capture failed."""
+    found = None
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback = current.__traceback__
+        while traceback is not None:
+            frame_self = traceback.tb_frame.f_locals.get("self")
+            if isinstance(frame_self, nn.Module) and id(frame_self) in module_paths:
+                found = module_paths[id(frame_self)]
+            traceback = traceback.tb_next
+        current = current.__cause__ or current.__context__
+    return found

@@ -1,0 +1,109 @@
+"""Graph: the captured model as PTensors and ops, plus the plan made on it (pieces, devices, order)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_nnscaler.ir.op import Op
+from lightning_nnscaler.ir.tensor import PTensor
+
+
+class GraphError(ValueError):
+    """A lookup or edit of the graph that does not fit it."""
+
+
+@dataclass
+class Graph:
+    """A dataflow graph of ops over logical tensors.
+
+    The IR objects inside are frozen; the graph is the one mutable container, changed only by the
+    primitives (``op_trans``, ``op_assign``, ``op_order``). Ops are kept in a topological order of
+    their data dependencies; a partitioned op's pieces take its place in that order.
+
+    Attributes:
+        tensors: Every PTensor by name.
+        ops: The ops, topologically ordered.
+        inputs: Names of the graph's input tensors (parameters, buffers, constants, user inputs).
+        outputs: Names of the tensors the graph returns.
+        order_edges: Happens-before edges ``(before, after)`` between op names, from ``op_order``.
+        constant_values: Values of lifted constant tensors (kept out of the text form).
+    """
+
+    tensors: dict[str, PTensor] = field(default_factory=dict)
+    ops: list[Op] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    order_edges: list[tuple[str, str]] = field(default_factory=list)
+    constant_values: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def op(self, op: Op | str) -> Op:
+        """The graph's current op named like ``op`` (an Op handle may be stale after an edit)."""
+        name = op if isinstance(op, str) else op.name
+        for candidate in self.ops:
+            if candidate.name == name:
+                return candidate
+        pieces = [candidate.name for candidate in self.ops if candidate.origin == name]
+        hint = f"; it was partitioned into {pieces[:4]}{'...' if len(pieces) > 4 else ''}" if pieces else ""
+        raise GraphError(f"no op named {name!r} in the graph{hint}")
+
+    def index_of(self, op: Op | str) -> int:
+        """Position of an op in the graph's order."""
+        name = op if isinstance(op, str) else op.name
+        for index, candidate in enumerate(self.ops):
+            if candidate.name == name:
+                return index
+        raise GraphError(f"no op named {name!r} in the graph")
+
+    def replace_op(self, op: Op | str, replacements: list[Op]) -> None:
+        """Put ``replacements`` where ``op`` was."""
+        index = self.index_of(op)
+        self.ops[index : index + 1] = replacements
+
+    def producers(self, tensor_name: str) -> list[Op]:
+        """Ops that write a piece of the tensor."""
+        return [op for op in self.ops if any(out.name == tensor_name for out in op.outputs)]
+
+    def consumers(self, tensor_name: str) -> list[Op]:
+        """Ops that read a piece of the tensor."""
+        return [op for op in self.ops if any(piece.name == tensor_name for piece in op.tensor_inputs)]
+
+    @property
+    def parameters(self) -> list[PTensor]:
+        """Parameter tensors, in input order."""
+        return [self.tensors[name] for name in self.inputs if self.tensors[name].role == "parameter"]
+
+    @property
+    def user_inputs(self) -> list[PTensor]:
+        """Tensors the caller passes in, in order."""
+        return [self.tensors[name] for name in self.inputs if self.tensors[name].role == "input"]
+
+    @property
+    def devices(self) -> list[int]:
+        """Devices that ops are assigned to, sorted."""
+        return sorted({op.device for op in self.ops if op.device is not None})
+
+    def copy(self) -> Graph:
+        """An independent copy (IR objects are shared: they are frozen; constant values are shared)."""
+        return Graph(
+            tensors=dict(self.tensors),
+            ops=list(self.ops),
+            inputs=list(self.inputs),
+            outputs=list(self.outputs),
+            order_edges=list(self.order_edges),
+            constant_values=copy.copy(self.constant_values),
+        )
+
+    def __str__(self) -> str:
+        from lightning_nnscaler.ir.printer import format_graph
+
+        return format_graph(self)
+
+    @classmethod
+    def from_text(cls, text: str) -> Graph:
+        """Parse the text form that ``str(graph)`` writes."""
+        from lightning_nnscaler.ir.printer import parse_graph
+
+        return parse_graph(text)

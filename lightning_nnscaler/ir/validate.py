@@ -1,0 +1,269 @@
+"""Plan validation: every op placed, devices in range, and no deadlock.
+
+A plan deadlocks when its ops wait on each other in a cycle. An op waits on
+- the ops whose output pieces overlap its input pieces (data dependencies),
+- the ops ordered before it by ``op_order`` (``graph.order_edges``),
+- the op before it on its device (a device runs its ops in ``graph.ops`` list order).
+``validate_plan`` checks that the union of these edges is acyclic and, when it is not, names the
+cycle and why each of its edges exists. ``stable_topological_order`` repairs a list order that
+contradicts data dependencies or order edges (``op_order`` calls it after adding an edge).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+
+from lightning_nnscaler.ir.graph import Graph
+from lightning_nnscaler.ir.op import Op
+from lightning_nnscaler.ir.tensor import IndexMask
+
+_MAX_NAMED = 5  # ops named in one message before "and N more"
+# What to change for a cycle, by the kind of its edges that is easiest to change (first listed).
+_DEADLOCK_FIXES = {
+    "device": "a device runs its ops in graph.ops list order, which contradicts the edges above;"
+    " reorder with graph.ops = stable_topological_order(graph) (op_order does this when it adds an edge)",
+    "order": "remove one of the op_order edges above; data dependencies cannot be reversed",
+    "data": "the ops read each other's outputs; check the pieces that op_trans made",
+}
+
+
+class PlanError(ValueError):
+    """A plan that cannot run as it stands."""
+
+
+class UnassignedOpError(PlanError):
+    """Some op has no device."""
+
+
+class DeviceOutOfRangeError(PlanError):
+    """Some op is placed on a device outside ``0..world_size-1``."""
+
+
+class UnknownOpError(PlanError):
+    """An order edge names an op that is not in the graph."""
+
+
+class DeadlockError(PlanError):
+    """The ops wait on each other in a cycle.
+
+    Attributes:
+        cycle: Op names along the cycle, first name repeated last: ``["a", "b", "a"]``.
+    """
+
+    def __init__(self, message: str, cycle: list[str]) -> None:
+        super().__init__(message)
+        self.cycle = cycle
+
+
+def data_dependencies(graph: Graph) -> dict[str, list[str]]:
+    """For each op name, the names of the ops it reads from.
+
+    Op B reads from op A iff an input piece of B overlaps an output piece of A: same PTensor and
+    intersecting index boxes (value shares do not matter: a partial sum is still a write).
+    Producers are listed in the order B's inputs are read, each once; an op never depends on itself.
+    """
+    return {name: list(producers) for name, producers in _data_edges(graph).items()}
+
+
+def find_cycle(node_names: list[str], edges: dict[str, list[str]]) -> list[str] | None:
+    """One cycle of the directed graph ``edges`` (node -> successors), or ``None`` when acyclic.
+
+    Iterative depth-first search, so deep graphs do not hit Python's recursion limit. The cycle is
+    returned as ``[a, b, ..., a]`` following the edges, starting at its node that comes first in
+    ``node_names``.
+    """
+    position = {name: index for index, name in enumerate(node_names)}
+    state: dict[str, bool] = {}  # True while on the current path, False once fully explored
+    for root in node_names:
+        if root in state:
+            continue
+        path = [root]
+        successors = [iter(edges.get(root, ()))]
+        state[root] = True
+        while path:
+            for successor in successors[-1]:
+                if successor not in state:
+                    state[successor] = True
+                    path.append(successor)
+                    successors.append(iter(edges.get(successor, ())))
+                    break
+                if state[successor]:
+                    cycle = path[path.index(successor) :]
+                    start = min(range(len(cycle)), key=lambda i: position.get(cycle[i], len(position)))
+                    cycle = cycle[start:] + cycle[:start]
+                    return cycle + [cycle[0]]
+            else:
+                state[path.pop()] = False
+                successors.pop()
+    return None
+
+
+def stable_topological_order(graph: Graph) -> list[Op]:
+    """``graph.ops`` reordered to respect data dependencies and order edges, moving as little as possible.
+
+    Kahn's algorithm that always takes the ready op that comes first in the current list, so an
+    already valid list comes back unchanged.
+
+    Raises:
+        UnknownOpError: An order edge names an op that is not in the graph.
+        DeadlockError: Data dependencies and order edges form a cycle; the message lists it.
+    """
+    _check_order_edges(graph)
+    index = {op.name: position for position, op in enumerate(graph.ops)}
+    data = _data_edges(graph)
+    successors = _successors(graph, data, graph.order_edges)
+    in_degree = dict.fromkeys(index, 0)
+    for targets in successors.values():
+        for target in targets:
+            in_degree[target] += 1
+    ready = [position for name, position in index.items() if in_degree[name] == 0]
+    heapq.heapify(ready)
+    order: list[Op] = []
+    while ready:
+        op = graph.ops[heapq.heappop(ready)]
+        order.append(op)
+        for target in successors.get(op.name, ()):
+            in_degree[target] -= 1
+            if in_degree[target] == 0:
+                heapq.heappush(ready, index[target])
+    if len(order) < len(graph.ops):
+        stuck = [op.name for op in graph.ops if in_degree[op.name] > 0]
+        cycle = find_cycle(stuck, successors)
+        assert cycle is not None, "Kahn's algorithm stopped, so a cycle is left"
+        raise _deadlock(graph, data, cycle)
+    return order
+
+
+def validate_plan(graph: Graph, world_size: int | None = None) -> None:
+    """Check that the plan can run: placed, in range, ordered without a deadlock.
+
+    Args:
+        graph: The planned graph.
+        world_size: Number of devices; when given, every device must be in ``0..world_size-1``.
+
+    Raises:
+        UnassignedOpError: Some op has no device.
+        DeviceOutOfRangeError: Some op's device is outside ``0..world_size-1``.
+        UnknownOpError: An order edge names an op that is not in the graph.
+        DeadlockError: Data dependencies, order edges and the per-device list order form a cycle.
+    """
+    unassigned = [op.name for op in graph.ops if op.device is None]
+    if unassigned:
+        subject = f"op {unassigned[0]!r} is" if len(unassigned) == 1 else f"{_name_list(unassigned)} are"
+        raise UnassignedOpError(
+            f"{subject} not assigned to a device; call op_assign(graph, op, device) for every op"
+            " (or every piece after op_trans)"
+        )
+    if world_size is not None:
+        outside = [op for op in graph.ops if op.device is not None and not 0 <= op.device < world_size]
+        if outside:
+            placements = ", ".join(f"op {op.name!r} is on device {op.device}" for op in outside[:_MAX_NAMED])
+            more = f" (and {len(outside) - _MAX_NAMED} more ops)" if len(outside) > _MAX_NAMED else ""
+            raise DeviceOutOfRangeError(
+                f"{placements}{more}, outside the {world_size} devices 0..{world_size - 1} of world_size {world_size};"
+                f" call op_assign(graph, op, device) with a device below {world_size}, or raise world_size"
+            )
+    _check_order_edges(graph)
+    names = [op.name for op in graph.ops]
+    data = _data_edges(graph)
+    cycle = find_cycle(names, _successors(graph, data, graph.order_edges))
+    if cycle is None:  # data and order alone are satisfiable; now add each device's list order
+        cycle = find_cycle(names, _successors(graph, data, graph.order_edges + _device_sequence(graph)))
+    if cycle is not None:
+        raise _deadlock(graph, data, cycle)
+
+
+def _data_edges(graph: Graph) -> dict[str, dict[str, str]]:
+    """consumer op name -> {producer op name: name of the first tensor it reads from that producer}."""
+    # tensor name -> index box -> ops writing it (value shares of one box share an entry)
+    producers: dict[str, dict[IndexMask, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for op in graph.ops:
+        for piece in op.outputs:
+            producers[piece.name][piece.index].append(op.name)
+    # Many consumers read the same piece (replicated or sibling ops): look each piece up once.
+    overlapping: dict[tuple[str, IndexMask], list[str]] = {}
+    edges: dict[str, dict[str, str]] = {}
+    for op in graph.ops:
+        reads: dict[str, str] = {}
+        for piece in op.tensor_inputs:
+            key = (piece.name, piece.index)
+            if key not in overlapping:
+                boxes = producers.get(piece.name, {})
+                overlapping[key] = [name for box in boxes if _boxes_overlap(box, piece.index) for name in boxes[box]]
+            for producer in overlapping[key]:
+                if producer != op.name:
+                    reads.setdefault(producer, piece.name)
+        edges[op.name] = reads
+    return edges
+
+
+def _boxes_overlap(first: IndexMask, second: IndexMask) -> bool:
+    # Same as ``first.intersect(second) is not None`` without building the intersection (hot loop).
+    for (a_start, a_stop), (b_start, b_stop) in zip(first.ranges, second.ranges):
+        if a_start >= b_stop or b_start >= a_stop:
+            return False
+    return True
+
+
+def _device_sequence(graph: Graph) -> list[tuple[str, str]]:
+    """``(previous, next)`` for consecutive ops of each device, in list order."""
+    last_on_device: dict[int | None, str] = {}
+    pairs = []
+    for op in graph.ops:
+        if op.device in last_on_device:
+            pairs.append((last_on_device[op.device], op.name))
+        last_on_device[op.device] = op.name
+    return pairs
+
+
+def _successors(graph: Graph, data: dict[str, dict[str, str]], edges: list[tuple[str, str]]) -> dict[str, list[str]]:
+    """op name -> ops that must wait for it: data readers and ``edges`` targets, each once."""
+    successors: dict[str, dict[str, None]] = {op.name: {} for op in graph.ops}
+    for consumer, reads in data.items():
+        for producer in reads:
+            successors[producer][consumer] = None
+    for before, after in edges:
+        successors[before][after] = None
+    return {name: list(targets) for name, targets in successors.items()}
+
+
+def _check_order_edges(graph: Graph) -> None:
+    names = {op.name for op in graph.ops}
+    for before, after in graph.order_edges:
+        for name in (before, after):
+            if name not in names:
+                pieces = [op.name for op in graph.ops if op.origin == name]
+                hint = f"; it was partitioned into {_name_list(pieces)}: order those pieces instead" if pieces else ""
+                raise UnknownOpError(
+                    f"order edge {before!r} -> {after!r} names op {name!r}, which is not in the graph{hint}"
+                )
+
+
+def _deadlock(graph: Graph, data: dict[str, dict[str, str]], cycle: list[str]) -> DeadlockError:
+    """A DeadlockError listing the cycle, why each of its edges exists, and what to change."""
+    order_edges = set(graph.order_edges)
+    device_sequence = set(_device_sequence(graph))
+    devices = {op.name: op.device for op in graph.ops}
+    lines = [f"deadlock: these ops wait on each other in a cycle: {' -> '.join(cycle)}"]
+    edge_kinds: set[str] = set()
+    for before, after in zip(cycle, cycle[1:]):
+        reasons: dict[str, str] = {}
+        if before in data.get(after, {}):
+            reasons["data"] = f"data: {after!r} reads %{data[after][before]} written by {before!r}"
+        if (before, after) in order_edges:
+            reasons["order"] = "order edge from op_order"
+        if (before, after) in device_sequence:
+            reasons["device"] = f"same device sequence: both on device {devices[before]}, {before!r} listed first"
+        lines.append(f"  {before} -> {after}: {'; '.join(reasons.values())}")
+        edge_kinds.add("device" if list(reasons) == ["device"] else "order" if "order" in reasons else "data")
+    fix = next(text for kind, text in _DEADLOCK_FIXES.items() if kind in edge_kinds)
+    lines.append(f"To fix: {fix}.")
+    return DeadlockError("\n".join(lines), cycle)
+
+
+def _name_list(names: list[str]) -> str:
+    """``"3 ops ('a', 'b', 'c')"``, naming at most five."""
+    shown = ", ".join(repr(name) for name in names[:_MAX_NAMED])
+    more = f", and {len(names) - _MAX_NAMED} more" if len(names) > _MAX_NAMED else ""
+    return f"{len(names)} ops ({shown}{more})"

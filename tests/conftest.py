@@ -1,0 +1,3 @@
+"""Shared pytest setup: importing the package first keeps torchvision importable (see _compat)."""
+
+import lightning_nnscaler  # noqa: F401
