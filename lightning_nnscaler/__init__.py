@@ -6,7 +6,7 @@ declare_torchvision_ops_when_its_kernels_cannot_load()
 
 # isort: split
 
-from lightning_nnscaler.capture import CaptureError, flatten_inputs, register_annotation, trace
+from lightning_nnscaler.capture import CaptureError, bind_inputs, flatten_inputs, register_annotation, trace
 from lightning_nnscaler.ir.annotation import DimAnnotation
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.interpret import run_graph
@@ -18,6 +18,6 @@ from lightning_nnscaler.verify import assert_equivalent
 
 __all__ = [
     "CaptureError", "Constraints", "DimAnnotation", "Graph", "IndexMask", "Op", "PTensor", "ValueMask", "VTensor",
-    "assert_equivalent", "flatten_inputs", "op_assign", "op_order", "op_trans", "register_annotation", "run_graph",
+    "assert_equivalent", "bind_inputs", "flatten_inputs", "op_assign", "op_order", "op_trans", "register_annotation", "run_graph",
     "trace", "validate_plan",
 ]

@@ -44,6 +44,7 @@ class _Converter:
         self.graph = Graph()
         self.values: dict[fx.Node, Any] = {}
         self.op_names: set[str] = set()
+        self.view_bases: dict[fx.Node, fx.Node] = {}
 
     def unique(self, name: str, taken: Any) -> str:
         candidate, index = name, 1
@@ -110,11 +111,14 @@ class _Converter:
         kwargs = fx.node.map_arg(node.kwargs, self.values.__getitem__)
         args, kwargs = _plain(args), _plain(kwargs)
         if node.target._schema.is_mutable and target == str(node.target):
-            target = self.out_of_place(node)
+            self.mutate(node, args, kwargs, no_grad)
+            return
         decompose = _DECOMPOSITIONS.get(target)
         if decompose is not None and decompose(self, node, args, kwargs, no_grad):
             return
         self.values[node] = self.emit(node.name, target, args, kwargs, node.meta["val"], no_grad)
+        if target in _SCATTER and isinstance(node.args[0], fx.Node):
+            self.view_bases[node] = node.args[0]
 
     def emit(self, name: str, target: str, args: Any, kwargs: dict[str, Any], value: Any, no_grad: bool) -> Any:
         """Add one op; returns its output piece (or a tuple of them for tuple outputs)."""
@@ -143,21 +147,77 @@ class _Converter:
                 return tuple(self.values[item] for item in node.args[0])
         raise CaptureError("a no_grad region has no output")
 
-    def out_of_place(self, node: fx.Node) -> str:
-        """The functional form of an in-place op; refuses when the mutated tensor is read later."""
+    def mutate(self, node: fx.Node, args: Any, kwargs: dict[str, Any], no_grad: bool) -> None:
+        """An in-place op becomes its out-of-place form; the new value replaces the mutated tensor
+        (and, through the views it was cut from, their bases) for every later reader."""
         packet = node.target.overloadpacket.__name__
         functional = getattr(getattr(torch.ops.aten, packet.rstrip("_"), None), node.target._overloadname, None)
         mutated = node.args[0]
-        if functional is None or not packet.endswith("_") or not isinstance(mutated, fx.Node) or mutated.op == "placeholder":
+        if functional is None or not packet.endswith("_") or not isinstance(mutated, fx.Node):
             raise CaptureError(f"op {node.name!r} ({node.target}) mutates a tensor in place; write it out of place")
-        order = {candidate: index for index, candidate in enumerate(node.graph.nodes)}
-        later = [user.name for user in mutated.users if user is not node and order[user] > order[node]]
-        if later:
-            raise CaptureError(
-                f"op {node.name!r} ({node.target}) changes {mutated.name!r} in place, and {later} read it afterwards; "
-                "write it out of place (y = x.op(...) instead of x.op_(...))"
-            )
-        return str(functional)
+        new_value = self.emit(node.name, str(functional), args, kwargs, node.meta["val"], no_grad)
+        self.values[node] = new_value
+        self.write_back(node, mutated, new_value, no_grad)
+
+    def write_back(self, mutation: fx.Node, target: fx.Node, new_value: VTensor, no_grad: bool, updated_view: fx.Node | None = None) -> None:
+        if target.op == "placeholder" and self.graph.tensors[self.values[target].name].role != "buffer":
+            raise CaptureError(f"op {mutation.name!r} ({mutation.target}) changes graph input {target.name!r} in place; write it out of place")
+        self._refuse_stale_views(mutation, target, updated_view)
+        self.values[target] = new_value
+        base = self.view_bases.get(target)
+        if base is None:
+            return  # buffer updates (e.g. running statistics) stay local to the step
+        scatter = _SCATTER.get(str(target.target))
+        if scatter is None:
+            raise CaptureError(f"op {mutation.name!r} ({mutation.target}) writes through a {target.target} view; write it out of place")
+        scatter_target, scatter_args = scatter(self.values[base], new_value, list(target.args[1:]))
+        new_base = self.emit(f"{target.name}_scatter", scatter_target, scatter_args, {}, base.meta["val"], no_grad)
+        self.write_back(mutation, base, new_base, no_grad, updated_view=target)
+
+    def _refuse_stale_views(self, mutation: fx.Node, target: fx.Node, updated_view: fx.Node | None) -> None:
+        order = {candidate: index for index, candidate in enumerate(mutation.graph.nodes)}
+        for view, base in self.view_bases.items():
+            if base is target and view is not updated_view and view in self.values and any(order.get(user, -1) > order[mutation] for user in view.users):
+                raise CaptureError(
+                    f"op {mutation.name!r} ({mutation.target}) changes {target.name!r} in place while its view {view.name!r} "
+                    "is read afterwards; write it out of place"
+                )
+
+
+def _slice_back(base: VTensor, value: VTensor, args: list[Any]) -> tuple[str, list[Any]]:
+    dim, start, end, step = (args + [0, None, None, 1][len(args):])[:4]
+    return "aten.slice_scatter.default", [base, value, dim, start, end, step]
+
+
+def _select_back(base: VTensor, value: VTensor, args: list[Any]) -> tuple[str, list[Any]]:
+    return "aten.select_scatter.default", [base, value, args[0], args[1]]
+
+
+def _reshape_back(base: VTensor, value: VTensor, args: list[Any]) -> tuple[str, list[Any]]:
+    return "aten.view.default", [value, list(base.shape)]
+
+
+def _transpose_back(base: VTensor, value: VTensor, args: list[Any]) -> tuple[str, list[Any]]:
+    return "aten.transpose.int", [value, args[0], args[1]]
+
+
+def _permute_back(base: VTensor, value: VTensor, args: list[Any]) -> tuple[str, list[Any]]:
+    order = [int(dim) % len(base.shape) for dim in args[0]]
+    return "aten.permute.default", [value, [order.index(dim) for dim in range(len(order))]]
+
+
+_SCATTER = {
+    "aten.slice.Tensor": _slice_back,
+    "aten.select.int": _select_back,
+    "aten.view.default": _reshape_back,
+    "aten._unsafe_view.default": _reshape_back,
+    "aten.unsqueeze.default": _reshape_back,
+    "aten.squeeze.dim": _reshape_back,
+    "aten.squeeze.dims": _reshape_back,
+    "aten.alias.default": _reshape_back,
+    "aten.transpose.int": _transpose_back,
+    "aten.permute.default": _permute_back,
+}
 
 
 def _plain(value: Any) -> Any:

@@ -79,7 +79,7 @@ def trace(module: nn.Module, example_args: Any, *, step: str | None = None) -> G
             raise
         except Exception as error:  # noqa: BLE001 - every export failure gets the module path
             raise CaptureError(_explain(error, module_paths, type(module).__name__)) from error
-    named_parameters = dict(wrapper.named_parameters())
+    named_parameters = dict(wrapper.named_parameters(remove_duplicate=False))
     return convert(exported, named_parameters, prefix="module.")
 
 
@@ -96,13 +96,17 @@ def flatten_inputs(example_args: Any, *, step: str | None = None) -> list[torch.
 def _silenced_logging(module: nn.Module) -> Iterator[None]:
     """LightningModule.log needs a Trainer; tracing runs without one, so logging is a no-op here."""
     patched = [name for name in ("log", "log_dict") if hasattr(module, name)]
+    own = {name: module.__dict__[name] for name in patched if name in module.__dict__}
     for name in patched:
         setattr(module, name, lambda *args, **kwargs: None)
     try:
         yield
     finally:
         for name in patched:
-            delattr(module, name)
+            if name in own:
+                setattr(module, name, own[name])
+            else:
+                delattr(module, name)
 
 
 def _explain(error: Exception, module_paths: dict[int, str], module_name: str) -> str:
@@ -131,3 +135,29 @@ def _innermost_user_module(error: BaseException, module_paths: dict[int, str]) -
             traceback = traceback.tb_next
         current = current.__cause__ or current.__context__
     return found
+
+
+def bind_inputs(graph: Graph, module: nn.Module, example_args: Any, *, step: str | None = None) -> dict[str, torch.Tensor]:
+    """Values for every graph input: the module's parameters and buffers, then the example tensors.
+
+    Raises:
+        CaptureError: when the module no longer has a parameter/buffer the graph names, or the
+            example inputs do not match the traced ones in number.
+    """
+    state = dict(module.named_parameters(remove_duplicate=False))
+    state.update(dict(module.named_buffers(remove_duplicate=False)))
+    values: dict[str, torch.Tensor] = {}
+    for name in graph.inputs:
+        tensor = graph.tensors[name]
+        if tensor.role in ("parameter", "buffer"):
+            if tensor.state_key not in state:
+                raise CaptureError(f"graph input %{name} is {tensor.role} {tensor.state_key!r}, which the module does not have")
+            values[name] = state[tensor.state_key]
+        elif tensor.role == "constant":
+            values[name] = graph.constant_values[name]
+    user_inputs = graph.user_inputs
+    given = flatten_inputs(example_args, step=step)
+    if len(given) != len(user_inputs):
+        raise CaptureError(f"the graph takes {len(user_inputs)} input tensors, {len(given)} were given")
+    values.update({tensor.name: value for tensor, value in zip(user_inputs, given)})
+    return values

@@ -25,7 +25,7 @@ def field_docs(config_class: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(config_class)))
     body = tree.body[0].body  # the ClassDef's statements
     docs: dict[str, str] = {}
-    for statement, following in zip(body, body[1:]):
+    for statement, following in zip(body[:-1], body[1:], strict=True):
         if (
             isinstance(statement, ast.AnnAssign)
             and isinstance(statement.target, ast.Name)

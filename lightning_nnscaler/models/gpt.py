@@ -52,12 +52,12 @@ class GPTConfig:
 
     @classmethod
     def gpt2_124m(cls) -> GPTConfig:
-        """GPT-2 small (124M parameters)."""
+        """GPT-2 small shapes: 124M parameters with a tied head, 163M with this model's untied one."""
         return cls(vocab_size=50257, seq_len=1024, hidden=768, layers=12, heads=12)
 
     @classmethod
     def paper(cls) -> GPTConfig:
-        """GPT-3 6.7B (Brown et al. 2020, Table 2.1): for simulation only."""
+        """GPT-3 6.7B (Brown et al. 2020, Table 2.1; 6.9B here with the untied head): for simulation only."""
         return cls(vocab_size=50257, seq_len=2048, hidden=4096, layers=32, heads=32)
 
 
@@ -136,4 +136,3 @@ class GPT(L.LightningModule):
             0, self.config.vocab_size, (batch_size, self.config.seq_len + 1), generator=generator
         )  # (B, T + 1)
         return sequence[:, :-1].contiguous(), sequence[:, 1:].contiguous()
-

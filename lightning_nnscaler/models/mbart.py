@@ -56,10 +56,14 @@ class MBartConfig:
 
     @classmethod
     def paper(cls) -> MBartConfig:
-        """mBART-large (610M parameters, most of them in the 250k-token embedding): for simulation only."""
+        """mBART-large shapes: for simulation only.
+
+        867M parameters here: mBART-large's 610M plus this model's untied 256M-parameter LM head.
+        """
         return cls(
-            vocab_size=250027, seq_len=1024, hidden=1024, encoder_layers=12, decoder_layers=12, heads=16, ffn_hidden=4096
-        )
+            vocab_size=250027, seq_len=1024, hidden=1024, encoder_layers=12, decoder_layers=12, heads=16,
+            ffn_hidden=4096,
+        )  # fmt: skip
 
 
 class EncoderLayer(nn.Module):

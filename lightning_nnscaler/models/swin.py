@@ -68,14 +68,17 @@ class SwinConfig:
     @classmethod
     def small(cls) -> SwinConfig:
         """Tiny config for tests: 16x16 then 8x8 tokens, 4x4 windows."""
-        return cls(image_size=32, patch_size=2, window_size=4, embed_dim=16, depths=(2, 2), heads=(1, 2), num_classes=10)
+        return cls(
+            image_size=32, patch_size=2, window_size=4, embed_dim=16, depths=(2, 2), heads=(1, 2), num_classes=10
+        )
 
     @classmethod
     def paper(cls) -> SwinConfig:
         """Billions-of-parameters Swin, the scale of the nnScaler paper: for simulation only."""
         return cls(
-            image_size=224, window_size=7, embed_dim=512, depths=(2, 2, 42, 2), heads=(16, 32, 64, 128), num_classes=1000
-        )
+            image_size=224, patch_size=4, window_size=7, embed_dim=512, depths=(2, 2, 42, 2), heads=(16, 32, 64, 128),
+            num_classes=1000,
+        )  # fmt: skip
 
 
 def window_partition(x: Tensor, window: int) -> Tensor:
@@ -190,7 +193,8 @@ class PatchMerging(nn.Module):
         """(B, H*W, C) -> (B, H/2 * W/2, 2C)."""
         B, _, C = x.shape
         x = x.view(B, self.resolution, self.resolution, C)
-        x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], dim=-1)  # (B, H/2, W/2, 4C)
+        quadrants = [x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]]  # 4 x (B, H/2, W/2, C)
+        x = torch.cat(quadrants, dim=-1)  # (B, H/2, W/2, 4C)
         return self.reduction(self.norm(x.view(B, -1, 4 * C)))
 
 
@@ -204,11 +208,12 @@ class Swin(L.LightningModule):
         self.patch_embed = nn.Conv2d(config.in_channels, dim, kernel_size=config.patch_size, stride=config.patch_size)
         self.patch_norm = nn.LayerNorm(dim)
         stages: list[nn.Module] = []
-        for stage, (depth, heads, resolution) in enumerate(zip(config.depths, config.heads, config.stage_resolutions)):
+        layout = zip(config.depths, config.heads, config.stage_resolutions, strict=True)
+        for stage, (depth, heads, resolution) in enumerate(layout):
             window = min(config.window_size, resolution)
             shift = window // 2 if resolution > window else 0  # one window covers the grid: nothing to shift
-            blocks: list[nn.Module] = [
-                SwinBlock(dim, heads, resolution, window, 0 if index % 2 == 0 else shift, config) for index in range(depth)
+            blocks: list[nn.Module] = [  # odd blocks attend over shifted windows
+                SwinBlock(dim, heads, resolution, window, shift if index % 2 else 0, config) for index in range(depth)
             ]
             if stage < len(config.depths) - 1:
                 blocks.append(PatchMerging(dim, resolution))

@@ -49,7 +49,7 @@ def test_example_batch_is_a_valid_tuple_of_tensors(name: str) -> None:
     if name == "gpt":
         tokens, targets = batch
         assert tokens.shape == targets.shape == (2, config.seq_len)
-        assert tokens.dtype == torch.int64 and 0 <= tokens.min() and tokens.max() < config.vocab_size
+        assert tokens.dtype == torch.int64 and tokens.min() >= 0 and tokens.max() < config.vocab_size
         assert torch.equal(tokens[:, 1:], targets[:, :-1])
     if name == "mbart":
         assert all(tensor.dtype == torch.int64 and tensor.max() < config.vocab_size for tensor in batch)
@@ -163,19 +163,19 @@ def test_evoformer_recycling_passes_run_without_grad() -> None:
 
 
 class TrainingStep(nn.Module):
-    """What capture traces: the model's training_step over a flat batch."""
+    """What capture exports: the model's training_step as forward(batch) -> loss."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, *batch: Tensor) -> Tensor:
+    def forward(self, batch: tuple[Tensor, ...]) -> Tensor:
         return self.model.training_step(batch, 0)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_training_step_exports_non_strict(name: str) -> None:
     model, batch = build(name)
-    exported = torch.export.export(TrainingStep(model), batch, strict=False)
+    exported = torch.export.export(TrainingStep(model), (batch,), strict=False)
     expected = model.training_step(batch, 0)
-    assert torch.allclose(exported.module()(*batch), expected, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(exported.module()(batch), expected, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,286 @@
+"""Op cases: every distinct op call in the project's graphs, with the values it really receives.
+
+The graphs are the reference models (GPT, Swin, MBart, Evoformer; their ``small()`` configs and
+training steps) and five third-party models built from configs (Hugging Face GPT-2, BERT, T5; timm
+Swin and ViT; dropout 0, nothing downloaded). Each graph is traced once, run through the reference
+interpreter while every op's inputs are recorded, and reduced to one ``OpCase`` per distinct
+(target, annotation, input shapes, input dtypes). An OpCase becomes a one-op ``Graph`` whose
+inputs are the op's tensor inputs, so ``op_trans`` can be checked on it in isolation.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lightning_nnscaler as lnn  # first: keeps torchvision (hence timm/transformers) importable
+from lightning_nnscaler.ir.annotation import DimAnnotation
+from lightning_nnscaler.ir.graph import Graph
+from lightning_nnscaler.ir.interpret import assemble
+from lightning_nnscaler.ir.op import Op, resolve_target
+
+BATCH = 2
+SEED = 0
+
+# Ops whose results depend on a random stream: a split changes the draws, so no equivalence holds.
+RANDOM_TARGETS = frozenset({
+    "aten.bernoulli.p", "aten.bernoulli.default", "aten.rand_like.default", "aten.randn_like.default",
+    "aten.rand.default", "aten.randn.default", "aten.randint.low", "aten.randperm.default",
+    "aten.native_dropout.default",
+})
+
+
+class _LanguageModelLoss(nn.Module):
+    """A Hugging Face model that computes its own loss from ``labels``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+class _ClassifierLoss(nn.Module):
+    """An image classifier plus cross-entropy."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.model(images), labels)
+
+
+Built = tuple[nn.Module, Any, "str | None"]
+
+
+def _reference(name: str) -> Built:
+    from lightning_nnscaler import models
+
+    model_class, config_class = {
+        "gpt": (models.GPT, models.GPTConfig),
+        "swin": (models.Swin, models.SwinConfig),
+        "mbart": (models.MBart, models.MBartConfig),
+        "evoformer": (models.Evoformer, models.EvoformerConfig),
+    }[name]
+    model = model_class(config_class.small())
+    return model, model.example_batch(BATCH, generator=torch.Generator().manual_seed(SEED)), "training_step"
+
+
+def _token_batch(length: int, label_length: int, low: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(low, 128, (BATCH, length), generator=generator)
+    labels = ids if label_length == length else torch.randint(low, 128, (BATCH, label_length), generator=generator)
+    return ids, labels
+
+
+def _hf_gpt2() -> Built:
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
+        attn_pdrop=0, resid_pdrop=0, embd_pdrop=0, use_cache=False,
+    )
+    return _LanguageModelLoss(transformers.GPT2LMHeadModel(config)), _token_batch(16, 16), None
+
+
+def _hf_bert() -> Built:
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=32, hidden_dropout_prob=0, attention_probs_dropout_prob=0,
+    )
+    return _LanguageModelLoss(transformers.BertForMaskedLM(config)), _token_batch(16, 16), None
+
+
+def _hf_t5() -> Built:
+    import transformers
+
+    config = transformers.T5Config(
+        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0,
+        decoder_start_token_id=0, pad_token_id=0, use_cache=False,
+    )
+    # Labels shorter than the inputs: cross-attention is not square.
+    return _LanguageModelLoss(transformers.T5ForConditionalGeneration(config)), _token_batch(16, 8, low=1), None
+
+
+def _timm(name: str, **overrides: Any) -> Callable[[], Built]:
+    def build() -> Built:
+        import timm
+
+        model = timm.create_model(name, pretrained=False, num_classes=10, **overrides)
+        generator = torch.Generator().manual_seed(SEED)
+        images = torch.randn(BATCH, 3, 32, 32, generator=generator)
+        labels = torch.randint(0, 10, (BATCH,), generator=generator)
+        return _ClassifierLoss(model), (images, labels), None
+
+    return build
+
+
+MODELS: dict[str, Callable[[], Built]] = {
+    "gpt": functools.partial(_reference, "gpt"),
+    "swin": functools.partial(_reference, "swin"),
+    "mbart": functools.partial(_reference, "mbart"),
+    "evoformer": functools.partial(_reference, "evoformer"),
+    "hf_gpt2": _hf_gpt2,
+    "hf_bert": _hf_bert,
+    "hf_t5": _hf_t5,
+    "timm_swin": _timm(
+        "swin_tiny_patch4_window7_224", img_size=32, patch_size=2, window_size=4, embed_dim=16,
+        depths=(1, 1), num_heads=(1, 2), drop_path_rate=0.0,
+    ),
+    "timm_vit": _timm("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2),
+}
+MODEL_NAMES = tuple(MODELS)
+
+
+@functools.lru_cache(maxsize=None)
+def traced(model_name: str) -> tuple[Graph, dict[str, torch.Tensor]]:
+    """The model's graph and a value for each of its inputs (parameters, buffers, the batch)."""
+    torch.manual_seed(SEED)
+    module, example, step = MODELS[model_name]()
+    module.train()  # dropout is 0 everywhere; training mode is what a plan parallelizes
+    graph = lnn.trace(module, example, step=step)
+    inputs = {name: value.detach() for name, value in lnn.bind_inputs(graph, module, example, step=step).items()}
+    return graph, inputs
+
+
+@dataclass(frozen=True, eq=False)
+class OpCase:
+    """One op of a traced graph with the values of its tensor inputs (in ``op.tensor_inputs`` order)."""
+
+    model: str
+    op: Op
+    values: tuple[torch.Tensor, ...]
+
+    @property
+    def target(self) -> str:
+        """The op kind."""
+        return self.op.target
+
+    @property
+    def id(self) -> str:
+        """``model:op name``, e.g. ``gpt:linear_3``."""
+        return f"{self.model}:{self.op.name}"
+
+    @property
+    def dims(self) -> DimAnnotation | None:
+        """The op's parsed annotation."""
+        return self.op.dims
+
+    def call(self, values: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Run the op eagerly on other values for its tensor inputs; returns its outputs as a tuple."""
+        args, kwargs = self.op.map_tensor_inputs(lambda position, _: values[position])
+        result = resolve_target(self.op.target)(*args, **dict(kwargs))
+        return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+
+    def graph(self) -> Graph:
+        """A graph holding only this op: its tensor inputs are graph inputs, its outputs the outputs."""
+        graph = Graph()
+        for piece in self.op.tensor_inputs:
+            tensor = piece.tensor
+            if tensor.name not in graph.tensors:
+                floating = tensor.dtype.startswith(("float", "bfloat", "complex"))
+                graph.tensors[tensor.name] = replace(tensor, role="input", state_key=None, requires_grad=floating)
+                graph.inputs.append(tensor.name)
+        args, kwargs = self.op.map_tensor_inputs(lambda _, piece: graph.tensors[piece.name].full())
+        for output in self.op.outputs:
+            graph.tensors[output.name] = output.tensor
+            graph.outputs.append(output.name)
+        graph.ops.append(replace(self.op, args=args, kwargs=kwargs, device=None, origin=None))
+        return graph
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """The recorded value of each input of ``graph()``."""
+        return {piece.name: value for piece, value in zip(self.op.tensor_inputs, self.values)}
+
+    def split_choices(self) -> list[str]:
+        """What ``op_trans`` may split this op by: its splittable dim names, then ``"value"`` if allowed."""
+        dims = self.dims
+        if dims is None:
+            return []
+        return dims.splittable_names() + (["value"] if dims.value_inputs else [])
+
+    def name_sizes(self) -> dict[str, int]:
+        """Size of each dim name of the annotation."""
+        assert self.dims is not None
+        return self.dims.name_sizes([piece.shape for piece in self.op.tensor_inputs], [out.shape for out in self.op.outputs])
+
+    def allows(self, choice: str, parts: int) -> bool:
+        """Whether ``parts`` divides the dim (a value split always divides)."""
+        return choice == "value" or self.name_sizes()[choice] % parts == 0
+
+
+def is_random(op: Op) -> bool:
+    """Whether the op draws random numbers (dropout with ``p > 0`` included)."""
+    if op.target in RANDOM_TARGETS:
+        return True
+    if op.target == "aten.dropout.default":
+        probability = op.args[1] if len(op.args) > 1 else op.kwargs_dict.get("p", 0.0)
+        train = op.args[2] if len(op.args) > 2 else op.kwargs_dict.get("train", True)
+        return bool(train) and probability > 0
+    return False
+
+
+def _recorded(graph: Graph, inputs: dict[str, torch.Tensor]) -> list[tuple[Op, tuple[torch.Tensor, ...]]]:
+    """Run the graph op by op (as the interpreter does) and keep each op's input values."""
+    pieces: dict[str, list[Any]] = {}
+    for name in graph.inputs:
+        value = inputs.get(name, graph.constant_values.get(name))
+        pieces[name] = [(graph.tensors[name].full(), value)]
+    recorded = []
+    with torch.no_grad():
+        for op in graph.ops:
+            values = tuple(assemble(pieces, piece, reader=op.name) for piece in op.tensor_inputs)
+            args, kwargs = op.map_tensor_inputs(lambda position, _: values[position])
+            result = resolve_target(op.target)(*args, **dict(kwargs))
+            results = result if isinstance(result, (tuple, list)) else (result,)
+            for output, value in zip(op.outputs, results, strict=True):
+                pieces.setdefault(output.name, []).append((output, value))
+            recorded.append((op, tuple(value.detach().clone() for value in values)))
+    return recorded
+
+
+def _case_key(op: Op) -> tuple[Any, ...]:
+    inputs = op.tensor_inputs
+    return (op.target, op.annotation, tuple(piece.shape for piece in inputs), tuple(piece.tensor.dtype for piece in inputs))
+
+
+@functools.lru_cache(maxsize=None)
+def model_op_cases(model_name: str) -> tuple[OpCase, ...]:
+    """The distinct op calls of one model's graph (random ops excluded)."""
+    graph, inputs = traced(model_name)
+    cases: dict[tuple[Any, ...], OpCase] = {}
+    for op, values in _recorded(graph, inputs):
+        if not is_random(op):
+            cases.setdefault(_case_key(op), OpCase(model_name, op, values))
+    return tuple(cases.values())
+
+
+@functools.lru_cache(maxsize=None)
+def all_op_cases() -> tuple[OpCase, ...]:
+    """The distinct op calls of all graphs; a call seen in several models is kept once (first model)."""
+    cases: dict[tuple[Any, ...], OpCase] = {}
+    for model_name in MODEL_NAMES:
+        for case in model_op_cases(model_name):
+            cases.setdefault(_case_key(case.op), case)
+    return tuple(cases.values())
+
+
+def all_targets() -> dict[str, list[str]]:
+    """Every op target of every graph, with the models whose graphs use it (random ops included)."""
+    targets: dict[str, list[str]] = {}
+    for model_name in MODEL_NAMES:
+        graph, _ = traced(model_name)
+        for op in graph.ops:
+            models = targets.setdefault(op.target, [])
+            if model_name not in models:
+                models.append(model_name)
+    return dict(sorted(targets.items()))

@@ -1,0 +1,69 @@
+"""Capture refuses what it cannot represent, naming the module or op and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_nnscaler as lnn
+
+
+class DataDependentGate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # Python branch on a tensor value
+            return x * 2
+        return x
+
+
+class Network(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(4, 4), DataDependentGate())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x).sum()
+
+
+def test_untraceable_code_names_the_module_path_and_the_fix() -> None:
+    with pytest.raises(lnn.CaptureError) as error:
+        lnn.trace(Network(), (torch.randn(2, 4),))
+    message = str(error.value)
+    assert "'encoder.1'" in message
+    assert "torch.where" in message
+
+
+class InPlaceOnInput(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return x.sum()
+
+
+def test_in_place_change_of_an_input_is_refused() -> None:
+    with pytest.raises(lnn.CaptureError, match="in place"):
+        lnn.trace(InPlaceOnInput(), (torch.randn(2, 4),))
+
+
+class WritesThroughSlice(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shifted = x.new_zeros(x.shape)
+        shifted[:, 1:] = x[:, :-1]
+        shifted[:, 0] = 1.0
+        return (shifted * x).sum()
+
+
+def test_writes_through_views_reach_their_base() -> None:
+    x = torch.randn(3, 5, requires_grad=True)
+    graph = lnn.trace(WritesThroughSlice(), (x,))
+    assert not any(op.target.split(".")[1].endswith("_") for op in graph.ops)
+    traced = lnn.run_graph(graph, {graph.user_inputs[0].name: x})[graph.outputs[0]]
+    torch.testing.assert_close(traced, WritesThroughSlice()(x))
+
+
+def test_training_step_must_return_a_loss() -> None:
+    class Step(nn.Module):
+        def training_step(self, batch: torch.Tensor, batch_index: int) -> str:
+            return "nothing"
+
+    with pytest.raises(lnn.CaptureError, match="must return the loss"):
+        lnn.trace(Step(), torch.randn(2), step="training_step")
