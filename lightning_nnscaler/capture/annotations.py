@@ -22,12 +22,31 @@ def _names() -> Iterator[str]:
 
 
 def _text(inputs: list[list[str]], outputs: list[list[str]], value: tuple[int, ...] = ()) -> str:
-    text = ", ".join(" ".join(spec) for spec in inputs) + " -> " + ", ".join(" ".join(spec) for spec in outputs)
+    text = ", ".join(" ".join(spec) or "()" for spec in inputs) + " -> " + ", ".join(" ".join(spec) or "()" for spec in outputs)
     return text + ("; value " + " ".join(map(str, value)) if value else "")
 
 
 def _tensor_operands_only(op: Op) -> bool:
     return all(isinstance(arg, VTensor) for arg in op.args)
+
+
+def _floating(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat", "complex"))
+
+
+def exact_value_inputs(op: Op, positions: tuple[int, ...]) -> tuple[int, ...]:
+    """``positions`` if splitting those inputs into value parts is exact for the op's dtypes, else ``()``.
+
+    Partial sums of bools mean nothing (``True + True``), and a float-to-integer conversion rounds
+    each part on its own; integer and floating parts add up exactly otherwise.
+    """
+    inputs = [op.tensor_inputs[position].tensor.dtype for position in positions]
+    outputs = [output.tensor.dtype for output in op.outputs]
+    if "bool" in inputs + outputs:
+        return ()
+    if any(map(_floating, inputs)) and not all(map(_floating, outputs)):
+        return ()
+    return positions
 
 
 def _broadcast(op: Op, frozen_dims: set[int] = frozenset(), value: tuple[int, ...] = ()) -> str:
@@ -40,7 +59,7 @@ def _broadcast(op: Op, frozen_dims: set[int] = frozenset(), value: tuple[int, ..
     for piece in op.tensor_inputs:
         offset = len(out_shape) - len(piece.shape)
         inputs.append([bare[offset + i] if size == out_shape[offset + i] else "1" for i, size in enumerate(piece.shape)])
-    return _text(inputs, [out] * len(op.outputs), value)
+    return _text(inputs, [out] * len(op.outputs), exact_value_inputs(op, value))
 
 
 def _normalized_dims(dims: object, rank: int) -> list[int]:
@@ -60,9 +79,11 @@ register_annotation(
     "aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor", "aten.add.Scalar", "aten.sub.Scalar", "aten.rsub.Scalar",
     "aten.eq.Scalar", "aten.ne.Scalar", "aten.lt.Scalar", "aten.le.Scalar", "aten.gt.Scalar", "aten.ge.Scalar",
     "aten.eq.Tensor", "aten.ne.Tensor", "aten.lt.Tensor", "aten.le.Tensor", "aten.gt.Tensor", "aten.ge.Tensor",
-    "aten.maximum.default", "aten.minimum.default", "aten.where.self", "aten.masked_fill.Scalar",
+    "aten.maximum.default", "aten.where.self", "aten.masked_fill.Scalar",
     "aten.masked_fill.Tensor", "aten.logical_and.default", "aten.logical_or.default", "aten.bitwise_and.Tensor",
-    "aten.bitwise_or.Tensor", "aten.clamp.default", "aten.clamp_min.default", "aten.clamp_max.default",
+    "aten.bitwise_or.Tensor", "aten.__and__.Tensor", "aten.__or__.Tensor", "aten.bitwise_xor.Tensor",
+    "aten.minimum.default", "aten.min.other", "aten.max.other", "aten.where.ScalarOther", "aten.where.ScalarSelf",
+    "aten.fill.Scalar", "aten.clamp.default", "aten.clamp_min.default", "aten.clamp_max.default",
     "aten.gelu_backward.default", "aten.zeros_like.default", "aten.ones_like.default", "aten.empty_like.default",
     "aten.full_like.default", "aten.rand_like.default", "aten.randn_like.default", "aten.bernoulli.p",
 )(lambda op: _broadcast(op))
@@ -71,9 +92,25 @@ _LINEAR_UNARY = """neg clone alias contiguous detach lift_fresh_copy _to_copy"""
 for _name in _LINEAR_UNARY:
     register_annotation(f"aten.{_name}.default")(lambda op: _broadcast(op, value=(0,)))
 register_annotation(
-    "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten.type_as.default", "aten.mul.Scalar",
-    "aten.div.Scalar", "aten.dropout.default",
+    "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten.mul.Scalar", "aten.div.Scalar",
+    "aten.dropout.default",
 )(lambda op: _broadcast(op, value=(0,)))
+
+
+@register_annotation("aten.type_as.default")
+def _type_as(op: Op) -> str:
+    # Only the dtype of ``other`` matters: its dims are unrelated to the result's.
+    fresh = _names()
+    names = [next(fresh) for _ in op.tensor_inputs[0].shape]
+    other = [next(fresh) + "^" for _ in op.tensor_inputs[1].shape]
+    return _text([names, other], [names], exact_value_inputs(op, (0,)))
+
+
+@register_annotation("aten.fill.Tensor", "aten.copy.default")
+def _fill_from(op: Op) -> str:
+    # fill(self, value) and copy(self, src): the result is the second operand broadcast to self's
+    # shape; self's values are not read, so the result is linear in the second operand alone.
+    return _broadcast(op, value=(1,))
 
 
 @register_annotation("aten.add.Tensor", "aten.sub.Tensor")
@@ -101,7 +138,7 @@ def _reduction(op: Op, dims: object, keepdim: bool, mark: str, value: tuple[int,
         out = ["1" if dim in reduced else name for dim, name in enumerate(names)]
     else:
         out = [name for dim, name in enumerate(names) if dim not in reduced]
-    return _text(inputs, [out] * len(op.outputs), value)
+    return _text(inputs, [out] * len(op.outputs), exact_value_inputs(op, value))
 
 
 @register_annotation("aten.sum.dim_IntList")
@@ -135,12 +172,14 @@ def _frozen_reduction_all(op: Op) -> str:
     return _reduction(op, None, False, "^", ())
 
 
-@register_annotation(
-    "aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default",
-    "aten.cumsum.default",
-)
+@register_annotation("aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default")
 def _along_dim(op: Op) -> str:
     return _broadcast(op, frozen_dims={int(op.args[1]) % max(len(op.outputs[0].shape), 1)})
+
+
+@register_annotation("aten.cumsum.default")
+def _cumulative_sum(op: Op) -> str:
+    return _broadcast(op, frozen_dims={int(op.args[1]) % max(len(op.outputs[0].shape), 1)}, value=(0,))
 
 
 @register_annotation("aten.triu.default", "aten.tril.default")

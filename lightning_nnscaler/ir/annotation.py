@@ -7,7 +7,7 @@ One line per op, e.g. ``"b s k+, n k+, n -> b s n; value 0 2"`` for ``linear(x, 
 - ``h^`` marks a dim that must not be split;
 - ``(h d)`` is one dim made of several names (row-major); only its first name may be split;
 - a number is a fixed-size dim that is never split (``1`` for a broadcast dim);
-- an empty tensor spec (``", ->"``) is a 0-d tensor;
+- ``()`` is a 0-d tensor (``"b+, b+ -> ()"``); an empty output side also means one 0-d output;
 - ``; value 0 2`` lists the inputs the op is linear in, jointly: splitting the op by value splits
   these inputs by value, and splitting a reduction dim value-splits those of them that lack it.
   Without it the op cannot be split by value.
@@ -63,13 +63,13 @@ class DimAnnotation:
         reduced: set[str] = set()
         frozen: set[str] = set()
         inputs = tuple(_parse_tensor(part, reduced, frozen, text) for part in _split_tensors(left))
-        outputs = tuple(_parse_tensor(part, reduced, frozen, text) for part in _split_tensors(right))
+        outputs = tuple(_parse_tensor(part, reduced, frozen, text) for part in _split_tensors(right) or [""])
         value_inputs = _parse_value_clause(value_clause, len(inputs), text)
         return cls(inputs, outputs, frozenset(reduced), frozenset(frozen), value_inputs)
 
     def __str__(self) -> str:
         def tensor_text(spec: TensorSpec) -> str:
-            return " ".join(self._mark(str(dim)) for dim in spec)
+            return " ".join(self._mark(str(dim)) for dim in spec) or "()"
 
         text = ", ".join(map(tensor_text, self.inputs)) + " -> " + ", ".join(map(tensor_text, self.outputs))
         if self.value_inputs:
@@ -132,7 +132,7 @@ class DimAnnotation:
 
 def _split_tensors(side: str) -> list[str]:
     parts = [part.strip() for part in side.split(",")]
-    return [] if parts == [""] else parts
+    return [] if parts == [""] else ["" if part == "()" else part for part in parts]
 
 
 def _parse_tensor(text: str, reduced: set[str], frozen: set[str], whole: str) -> TensorSpec:

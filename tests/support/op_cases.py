@@ -284,3 +284,68 @@ def all_targets() -> dict[str, list[str]]:
             if model_name not in models:
                 models.append(model_name)
     return dict(sorted(targets.items()))
+
+
+# --- checks -------------------------------------------------------------------------------------
+
+
+def split_plan(case: OpCase, choice: str, parts: int) -> Graph:
+    """The one-op graph with its op split by ``choice`` into ``parts`` pieces on devices 0..parts-1."""
+    plan = case.graph()
+    for device, piece in enumerate(lnn.op_trans(plan, plan.ops[0], choice, parts)):
+        lnn.op_assign(plan, piece, device)
+    return plan
+
+
+def check_split(case: OpCase, choice: str, parts: int) -> None:
+    """Raise unless splitting the op by ``choice`` into ``parts`` keeps its outputs and gradients.
+
+    Beyond ``assert_equivalent`` (outputs, and input gradients through the first output), this
+    checks the input gradients through every output of a multi-output op, and, for a split that
+    leaves value parts, that the op really is linear in its value inputs: the interpreter hands
+    value part 0 the whole input and the other parts zeros, which only proves ``f(0) == 0``.
+    """
+    reference, plan = case.graph(), split_plan(case, choice, parts)
+    lnn.assert_equivalent(reference, plan, case.inputs())
+    if len(case.op.outputs) > 1:
+        _assert_close(_all_output_gradients(reference, case.inputs()), _all_output_gradients(plan, case.inputs()), "gradient of")
+    dims = case.dims
+    if dims is not None and (choice == "value" or choice in dims.reduced) and dims.value_inputs:
+        check_linearity(case)
+
+
+def check_linearity(case: OpCase, seed: int = SEED) -> None:
+    """Raise unless ``f(x) == f(r) + f(x - r)`` for random ``r`` in the annotation's value inputs, jointly."""
+    dims = case.dims
+    assert dims is not None
+    generator = torch.Generator().manual_seed(seed)
+    first, second = list(case.values), list(case.values)
+    for position in dims.value_inputs:
+        value = case.values[position]
+        if not value.is_floating_point():
+            raise AssertionError(f"{case.id}: value input {position} is {value.dtype}; only floating tensors are split by value")
+        share = torch.randn(value.shape, generator=generator, dtype=value.dtype)
+        first[position], second[position] = share, value - share
+    whole = case.call(case.values)
+    halves = [a + b for a, b in zip(case.call(first), case.call(second))]
+    _assert_close(dict(enumerate(whole)), dict(enumerate(halves)), f"{case.id}: value parts of output")
+
+
+def _all_output_gradients(graph: Graph, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    leaves = {name: value.detach().clone().requires_grad_(value.is_floating_point()) for name, value in inputs.items()}
+    outputs = lnn.run_graph(graph, leaves)
+    generator = torch.Generator().manual_seed(SEED)
+    total = sum(
+        (value * torch.randn(value.shape, generator=generator, dtype=value.dtype)).sum()
+        for value in outputs.values()
+        if value.requires_grad
+    )
+    if isinstance(total, torch.Tensor):
+        total.backward()
+    return {name: leaf.grad for name, leaf in leaves.items() if leaf.grad is not None}
+
+
+def _assert_close(expected: dict[Any, torch.Tensor], actual: dict[Any, torch.Tensor], what: str) -> None:
+    assert expected.keys() == actual.keys(), f"{what}: {sorted(map(str, expected))} vs {sorted(map(str, actual))}"
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=1e-5, equal_nan=True, msg=lambda m, key=key: f"{what} {key}: {m}")

@@ -60,7 +60,7 @@ def test_pieces_overlap_only_on_the_same_tensor() -> None:
 
 
 def test_annotation_parses_and_prints() -> None:
-    text = "b s (h d), n k^ 1,  -> b s h d; value 0 2"
+    text = "b s (h d), n k^ 1, () -> b s h d; value 0 2"
     annotation = DimAnnotation.parse(text)
     assert str(annotation) == text
     assert annotation.frozen == {"k"}
