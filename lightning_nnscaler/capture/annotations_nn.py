@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from lightning_nnscaler.capture.annotations import _names, _text
+from lightning_nnscaler.capture.annotations import _names, _text, exact_value_inputs
 from lightning_nnscaler.capture.registry import register_annotation
 from lightning_nnscaler.ir.op import Op
 
@@ -18,7 +18,7 @@ def _linear(op: Op) -> str:
     x, weight, *bias = op.tensor_inputs
     batch = _batch_names(len(x.shape) - 1)
     inputs = [batch + ["k+"], ["n", "k+"]] + ([["n"]] if bias else [])
-    return _text(inputs, [batch + ["n"]], (0, 2) if bias else (0,))
+    return _text(inputs, [batch + ["n"]], exact_value_inputs(op, (0, 2) if bias else (0,)))
 
 
 @register_annotation("aten.mm.default")
@@ -42,7 +42,7 @@ def _addmm(op: Op) -> str:
     out = ["m", "n"] if op.target == "aten.addmm.default" else ["b", "m", "n"]
     left = out[:-1] + ["k+"]
     right = out[:-2] + ["k+", "n"]
-    return _text([_bias_spec(bias.shape, out, op.outputs[0].shape), left, right], [out], (0, 1))
+    return _text([_bias_spec(bias.shape, out, op.outputs[0].shape), left, right], [out], exact_value_inputs(op, (0, 1)))
 
 
 @register_annotation("aten.matmul.default")
@@ -55,7 +55,7 @@ def _matmul(op: Op) -> str | None:
     out = batch + ["m", "n"]
     left_batch = _bias_spec(left.shape[:-2], batch, out_shape[:-2])
     right_batch = _bias_spec(right.shape[:-2], batch, out_shape[:-2])
-    return _text([left_batch + ["m", "k+"], right_batch + ["k+", "n"]], [out], (0,))
+    return _text([left_batch + ["m", "k+"], right_batch + ["k+", "n"]], [out], exact_value_inputs(op, (0,)))
 
 
 @register_annotation("aten.scaled_dot_product_attention.default")
@@ -69,14 +69,15 @@ def _attention(op: Op) -> str | None:
     inputs = [["b", "h", rows, "e^"], ["b", "h", "s^", "e^"], ["b", "h", "s^", "f"]]
     if mask:
         inputs.append(_bias_spec(mask[0].shape, ["b", "h", "l", "s"], (*query.shape[:3], key.shape[2])))
-    return _text(inputs, [["b", "h", "l", "f"]])
+    # The output is linear in the values (softmax(q k^T) v): a value split of v is exact.
+    return _text(inputs, [["b", "h", "l", "f"]], exact_value_inputs(op, (2,)))
 
 
 @register_annotation("aten.embedding.default")
 def _embedding(op: Op) -> str:
     _, indices = op.tensor_inputs
     index_names = _batch_names(len(indices.shape), taken="vd")
-    return _text([["v^", "d"], index_names], [index_names + ["d"]], (0,))
+    return _text([["v^", "d"], index_names], [index_names + ["d"]], exact_value_inputs(op, (0,)))
 
 
 @register_annotation("aten.layer_norm.default")
@@ -110,4 +111,4 @@ def _convolution(op: Op) -> str | None:
     spatial = len(x.shape) - 2
     inputs = [["n", "c+"] + [f"i{d}^" for d in range(spatial)], ["o", "c+"] + [f"w{d}^" for d in range(spatial)]]
     inputs += [["o"]] * len(bias)
-    return _text(inputs, [["n", "o"] + [f"j{d}^" for d in range(spatial)]], (0, 2) if bias else (0,))
+    return _text(inputs, [["n", "o"] + [f"j{d}^" for d in range(spatial)]], exact_value_inputs(op, (0, 2) if bias else (0,)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
-from lightning_nnscaler.capture.annotations import _broadcast, _names, _normalized_dims, _text
+from lightning_nnscaler.capture.annotations import _broadcast, _names, _normalized_dims, _text, exact_value_inputs
 from lightning_nnscaler.capture.registry import register_annotation
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.tensor import VTensor
@@ -19,6 +19,10 @@ def _set_argument(op: Op, position: int, keyword: str, value: Any) -> Op:
     if len(op.args) > position:
         return replace(op, args=op.args[:position] + (value,) + op.args[position + 1 :])
     return replace(op, kwargs=tuple((key, value if key == keyword else old) for key, old in op.kwargs))
+
+
+def _argument(op: Op, position: int, keyword: str, default: Any) -> Any:
+    return op.args[position] if len(op.args) > position else op.kwargs_dict.get(keyword, default)
 
 
 def _shape_argument(position: int, keyword: str = "size") -> Callable[[Op], Op]:
@@ -69,13 +73,22 @@ def reshape_specs(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> tupl
 
 def _reshape(op: Op) -> str:
     left, right = reshape_specs(op.tensor_inputs[0].shape, op.outputs[0].shape)
-    return _text([left], [right], (0,))
+    return _text([left], [right], exact_value_inputs(op, (0,)))
 
 
 register_annotation("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", rewrite=_shape_argument(1, "size"))(_reshape)
-register_annotation(
-    "aten.flatten.using_ints", "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", "aten.unsqueeze.default"
-)(_reshape)
+register_annotation("aten.flatten.using_ints", "aten.unsqueeze.default")(_reshape)
+
+
+def _squeeze_rewrite(piece: Op) -> Op:
+    """Squeeze only the dims of size 1 in the whole tensor: a split may leave a piece's dim at size 1."""
+    whole = piece.tensor_inputs[0].tensor.shape
+    requested = None if piece.target == "aten.squeeze.default" else _argument(piece, 1, "dim", None)
+    dims = [dim for dim in _normalized_dims(requested, len(whole)) if whole[dim] == 1]
+    return replace(piece, target="aten.squeeze.dims", args=(piece.args[0], dims), kwargs=())
+
+
+register_annotation("aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default", rewrite=_squeeze_rewrite)(_reshape)
 
 
 def _unflatten_rewrite(piece: Op) -> Op:
@@ -103,7 +116,7 @@ def _permute(op: Op) -> str:
         order[first], order[second] = order[second], order[first]
     fresh = _names()
     names = [next(fresh) for _ in range(rank)]
-    return _text([names], [[names[dim] for dim in order]], (0,))
+    return _text([names], [[names[dim] for dim in order]], exact_value_inputs(op, (0,)))
 
 
 def _with_frozen_dims(op: Op, frozen: set[int], value: tuple[int, ...] = (0,)) -> str:
@@ -114,7 +127,7 @@ def _with_frozen_dims(op: Op, frozen: set[int], value: tuple[int, ...] = (0,)) -
     outputs = []
     for output in op.outputs:
         outputs.append([next(fresh) + "^" if dim in frozen else name for dim, name in enumerate(names[: len(output.shape)])])
-    return _text([source], outputs, value)
+    return _text([source], outputs, exact_value_inputs(op, value))
 
 
 def _dim_argument(op: Op, position: int, default: int = 0) -> int:
@@ -143,7 +156,7 @@ def _select(op: Op) -> str:
     names = [next(fresh) for _ in op.tensor_inputs[0].shape]
     source = [name + "^" if index == dim else name for index, name in enumerate(names)]
     kept = [name for index, name in enumerate(names) if index != dim]
-    return _text([source], [kept] * len(op.outputs), (0,))
+    return _text([source], [kept] * len(op.outputs), exact_value_inputs(op, (0,)))
 
 
 @register_annotation("aten.cat.default", "aten.stack.default")
@@ -162,7 +175,7 @@ def _concatenate(op: Op) -> str:
     out = shared[:dim] + [("" if stacking else next(fresh)) + ("" if stacking else "^")] + shared[dim + 1 :]
     if stacking:
         out[dim] = str(len(inputs))
-    return _text(inputs, [out], tuple(range(len(inputs))))
+    return _text(inputs, [out], exact_value_inputs(op, tuple(range(len(inputs)))))
 
 
 @register_annotation("aten.pad.default", "aten.constant_pad_nd.default")
@@ -170,8 +183,13 @@ def _pad(op: Op) -> str:
     rank = len(op.tensor_inputs[0].shape)
     widths = list(op.args[1])
     padded = {rank - 1 - index // 2 for index, width in enumerate(widths) if width}
-    fill = op.args[3] if op.target == "aten.pad.default" and len(op.args) > 3 else (op.args[2] if len(op.args) > 2 else 0)
-    return _with_frozen_dims(op, padded, (0,) if not fill else ())
+    if op.target == "aten.pad.default":
+        mode, fill = _argument(op, 2, "mode", "constant"), _argument(op, 3, "value", None)
+    else:
+        mode, fill = "constant", _argument(op, 2, "value", 0)
+    # Reflect/replicate/circular padding copies elements (linear); a constant fill is linear only if 0.
+    linear = mode != "constant" or not fill
+    return _with_frozen_dims(op, padded, (0,) if linear else ())
 
 
 @register_annotation("aten.index.Tensor")
@@ -184,15 +202,79 @@ def _index(op: Op) -> str | None:
     index_rank = len(op.outputs[0].shape) - (len(source.shape) - len(positions))
     fresh = _names()
     names = [next(fresh) for _ in source.shape]
+    # The index tensors broadcast together; a dim of size 1 in all of them stays "1" in the result.
     index_names = [next(fresh) for _ in range(index_rank)]
+    broadcast = [1] * index_rank
     spec = [name + "^" if dim in positions else name for dim, name in enumerate(names)]
     inputs = [spec]
     for index in indices:
         if isinstance(index, VTensor):
             offset = index_rank - len(index.shape)
             inputs.append([index_names[offset + i] if size != 1 else "1" for i, size in enumerate(index.shape)])
-    out = names[: positions[0]] + index_names + names[positions[-1] + 1 :]
-    return _text(inputs, [out], (0,))
+            for i, size in enumerate(index.shape):
+                broadcast[offset + i] = max(broadcast[offset + i], size)
+    index_out = [name if size != 1 else "1" for name, size in zip(index_names, broadcast)]
+    out = names[: positions[0]] + index_out + names[positions[-1] + 1 :]
+    return _text(inputs, [out], exact_value_inputs(op, (0,)))
+
+
+@register_annotation("aten.gather.default")
+def _gather(op: Op) -> str:
+    # out[i][j] = self[i][index[i][j]] (dim=1): the result has index's shape. Other dims pair up
+    # position by position only where index and self have the same size there.
+    source, index = op.tensor_inputs
+    dim = _dim_argument(op, 1)
+    fresh = _names()
+    source_spec, index_spec = [], []
+    for axis, (source_size, index_size) in enumerate(zip(source.shape, index.shape)):
+        if axis == dim:
+            source_spec.append(next(fresh) + "^")
+            index_spec.append(next(fresh))
+        elif source_size == index_size:
+            name = next(fresh)
+            source_spec.append(name)
+            index_spec.append(name)
+        else:
+            source_spec.append(next(fresh) + "^")
+            index_spec.append(next(fresh) + "^")
+    return _text([source_spec, index_spec], [index_spec], exact_value_inputs(op, (0,)))
+
+
+def _joined_along(op: Op, dim: int, value: tuple[int, ...]) -> str:
+    """Tensors of one rank that meet along ``dim``: every other dim is shared, ``dim`` is frozen per tensor."""
+    rank = len(op.outputs[0].shape)
+    fresh = _names()
+    shared = [next(fresh) for _ in range(rank)]
+
+    def spec() -> list[str]:
+        return shared[:dim] + [next(fresh) + "^"] + shared[dim + 1 :]
+
+    return _text([spec() for _ in op.tensor_inputs], [spec()], exact_value_inputs(op, value))
+
+
+@register_annotation("aten.diff.default")
+def _diff(op: Op) -> str:
+    # diff(x, n, dim, prepend, append) is linear in x, prepend and append jointly.
+    dim = int(_argument(op, 2, "dim", -1)) % len(op.outputs[0].shape)
+    return _joined_along(op, dim, tuple(range(len(op.tensor_inputs))))
+
+
+@register_annotation("aten.slice_scatter.default")
+def _slice_scatter(op: Op) -> str:
+    # self with self[dim][start:end:step] replaced by src: linear in (self, src) jointly.
+    return _joined_along(op, _dim_argument(op, 2), (0, 1))
+
+
+@register_annotation("aten.select_scatter.default")
+def _select_scatter(op: Op) -> str:
+    # self with self.select(dim, index) replaced by src (which lacks dim): linear in (self, src) jointly.
+    dim = _dim_argument(op, 2)
+    fresh = _names()
+    names = [next(fresh) for _ in op.tensor_inputs[0].shape]
+    source = [name + "^" if axis == dim else name for axis, name in enumerate(names)]
+    written = [name for axis, name in enumerate(names) if axis != dim]
+    out = [next(fresh) + "^" if axis == dim else name for axis, name in enumerate(names)]
+    return _text([source, written], [out], exact_value_inputs(op, (0, 1)))
 
 
 # --- factories: no tensor inputs except as a template; sizes follow the piece ------------------------

@@ -29,6 +29,8 @@ class Op:
         device: The device (rank) the op runs on, once assigned.
         no_grad: Whether it runs with gradients disabled (e.g. a recycling pass).
         origin: For a piece, the name of the op in the captured graph it came from.
+        recompute: Ops of one device sharing this group number keep no activations for backward:
+            their forward runs again during backward (activation checkpointing), e.g. co-shard.
     """
 
     name: str
@@ -40,6 +42,7 @@ class Op:
     device: int | None = None
     no_grad: bool = False
     origin: str | None = None
+    recompute: int | None = None
 
     @property
     def tensor_inputs(self) -> list[VTensor]:

@@ -4,7 +4,7 @@
 tensor %x: float32[4, 8] input
 tensor %p_weight: float32[16, 8] parameter "layer.weight" grad
 tensor %y: float32[4, 16] activation
-op linear.0 @0 from linear = aten.linear.default(%x[0:2, 0:8], %p_weight) -> %y[0:2, 0:16] :: "b k+, n k+ -> b n; value 0"
+op linear.0 @0 from linear recompute 1 = aten.linear.default(%x[0:2, 0:8], %p_weight) -> %y[0:2, 0:16] :: "b k+, n k+ -> b n; value 0"
 output %y
 order linear.0 -> linear.1
 ```
@@ -27,7 +27,7 @@ from lightning_nnscaler.ir.tensor import TENSOR_ROLES, IndexMask, PTensor, Value
 
 _NAME = r"[A-Za-z_][\w.]*"
 _TENSOR_LINE = re.compile(rf'^tensor %({_NAME}): (\w+)\[([\d, ]*)\] (\w+)(?: "([^"]*)")?( grad)?$')
-_OP_LINE = re.compile(rf"^op ({_NAME})(?: @(\d+))?( nograd)?(?: from ({_NAME}))? = ({_NAME})\((.*)\) -> (.*)$")
+_OP_LINE = re.compile(rf"^op ({_NAME})(?: @(\d+))?( nograd)?(?: from ({_NAME}))?(?: recompute (\d+))? = ({_NAME})\((.*)\) -> (.*)$")
 _REFERENCE = re.compile(rf"%({_NAME})(\[[\d:, ]*\])?(\{{\d+/\d+\}})?")
 
 
@@ -62,6 +62,8 @@ def format_op(op: Op) -> str:
         head += " nograd"
     if op.origin is not None:
         head += f" from {op.origin}"
+    if op.recompute is not None:
+        head += f" recompute {op.recompute}"
     line = f"{head} = {op.target}({', '.join(arguments)}) -> {', '.join(map(str, op.outputs))}"
     if op.annotation is not None:
         line += f" :: {json.dumps(op.annotation)}"
@@ -136,8 +138,8 @@ def _parse_op(graph: Graph, line: str) -> Op:
         body, annotation = line, None
     match = _OP_LINE.match(body)
     if match is None:
-        raise IRParseError("expected 'op name [@device] [nograd] [from origin] = target(args) -> outputs [:: \"annotation\"]'")
-    name, device, no_grad, origin, target, arguments_text, outputs_text = match.groups()
+        raise IRParseError("expected 'op name [@device] [nograd] [from origin] [recompute group] = target(args) -> outputs [:: \"annotation\"]'")
+    name, device, no_grad, origin, recompute, target, arguments_text, outputs_text = match.groups()
     args, kwargs = _evaluate(graph, f"_call({arguments_text})")
     outputs = _evaluate(graph, f"({outputs_text},)") if outputs_text.strip() else ()
     return Op(
@@ -150,6 +152,7 @@ def _parse_op(graph: Graph, line: str) -> Op:
         device=None if device is None else int(device),
         no_grad=bool(no_grad),
         origin=origin,
+        recompute=None if recompute is None else int(recompute),
     )
 
 

@@ -160,6 +160,10 @@ class OpCase:
     op: Op
     values: tuple[torch.Tensor, ...]
 
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{value.dtype}{list(value.shape)}".removeprefix("torch.") for value in self.values)
+        return f"OpCase({self.id} = {self.target}({shapes}) :: {self.op.annotation!r})"
+
     @property
     def target(self) -> str:
         """The op kind."""
@@ -197,9 +201,18 @@ class OpCase:
         graph.ops.append(replace(self.op, args=args, kwargs=kwargs, device=None, origin=None))
         return graph
 
+    @property
+    def values64(self) -> tuple[torch.Tensor, ...]:
+        """The recorded values with floating tensors in float64 (integer tensors as they are)."""
+        return tuple(value.double() if value.is_floating_point() else value for value in self.values)
+
     def inputs(self) -> dict[str, torch.Tensor]:
-        """The recorded value of each input of ``graph()``."""
-        return {piece.name: value for piece, value in zip(self.op.tensor_inputs, self.values)}
+        """A value for each input of ``graph()``: the recorded one, floating tensors in float64.
+
+        Double precision keeps the checks' tolerance (rtol 1e-5) about the split alone: in float32
+        a split batch sums a weight gradient in another order, which moves it by ~1e-5 already.
+        """
+        return {piece.name: value for piece, value in zip(self.op.tensor_inputs, self.values64)}
 
     def split_choices(self) -> list[str]:
         """What ``op_trans`` may split this op by: its splittable dim names, then ``"value"`` if allowed."""
@@ -216,6 +229,10 @@ class OpCase:
     def allows(self, choice: str, parts: int) -> bool:
         """Whether ``parts`` divides the dim (a value split always divides)."""
         return choice == "value" or self.name_sizes()[choice] % parts == 0
+
+    def allowed_splits(self, parts_options: tuple[int, ...] = (2, 4)) -> list[tuple[str, int]]:
+        """Every ``(choice, parts)`` the annotation allows and the sizes divide."""
+        return [(choice, parts) for choice in self.split_choices() for parts in parts_options if self.allows(choice, parts)]
 
 
 def is_random(op: Op) -> bool:
@@ -274,6 +291,14 @@ def all_op_cases() -> tuple[OpCase, ...]:
     return tuple(cases.values())
 
 
+def cases_by_target() -> dict[str, list[OpCase]]:
+    """``all_op_cases()`` grouped by op target, targets sorted."""
+    grouped: dict[str, list[OpCase]] = {}
+    for case in all_op_cases():
+        grouped.setdefault(case.target, []).append(case)
+    return dict(sorted(grouped.items()))
+
+
 def all_targets() -> dict[str, list[str]]:
     """Every op target of every graph, with the models whose graphs use it (random ops included)."""
     targets: dict[str, list[str]] = {}
@@ -319,14 +344,18 @@ def check_linearity(case: OpCase, seed: int = SEED) -> None:
     dims = case.dims
     assert dims is not None
     generator = torch.Generator().manual_seed(seed)
-    first, second = list(case.values), list(case.values)
+    values = case.values64
+    first, second = list(values), list(values)
     for position in dims.value_inputs:
-        value = case.values[position]
-        if not value.is_floating_point():
-            raise AssertionError(f"{case.id}: value input {position} is {value.dtype}; only floating tensors are split by value")
-        share = torch.randn(value.shape, generator=generator, dtype=value.dtype)
+        value = values[position]
+        if value.dtype == torch.bool:
+            raise AssertionError(f"{case.id}: value input {position} is a bool tensor, which has no partial sums")
+        if value.is_floating_point():
+            share = torch.randn(value.shape, generator=generator, dtype=value.dtype)
+        else:
+            share = torch.randint(-100, 100, value.shape, generator=generator, dtype=value.dtype)
         first[position], second[position] = share, value - share
-    whole = case.call(case.values)
+    whole = case.call(values)
     halves = [a + b for a, b in zip(case.call(first), case.call(second))]
     _assert_close(dict(enumerate(whole)), dict(enumerate(halves)), f"{case.id}: value parts of output")
 
@@ -349,3 +378,21 @@ def _assert_close(expected: dict[Any, torch.Tensor], actual: dict[Any, torch.Ten
     assert expected.keys() == actual.keys(), f"{what}: {sorted(map(str, expected))} vs {sorted(map(str, actual))}"
     for key, value in expected.items():
         torch.testing.assert_close(actual[key], value, rtol=1e-5, atol=1e-5, equal_nan=True, msg=lambda m, key=key: f"{what} {key}: {m}")
+
+
+def coverage_table() -> str:
+    """One row per op target of the graphs: models using it, calls, distinct cases, an annotation."""
+    calls: dict[str, int] = {}
+    examples: dict[str, str | None] = {}
+    for model_name in MODEL_NAMES:
+        for op in traced(model_name)[0].ops:
+            calls[op.target] = calls.get(op.target, 0) + 1
+            examples.setdefault(op.target, op.annotation)
+    cases = {target: len(group) for target, group in cases_by_target().items()}
+    header = ("target", "graphs", "calls", "cases", "annotation (first call)")
+    rows = [header] + [
+        (target, str(len(models)), str(calls[target]), str(cases.get(target, 0)), repr(examples[target]))
+        for target, models in all_targets().items()
+    ]
+    widths = [max(len(row[column]) for row in rows) for column in range(len(header) - 1)]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1] for row in rows)

@@ -13,7 +13,7 @@ tensor %x: float32[4, 8] input
 tensor %p_weight: float32[16, 8] parameter "layer.weight" grad
 tensor %y: float32[4, 16] activation
 op linear.0 @0 from linear = aten.linear.default(%x[0:2, 0:8], %p_weight) -> %y[0:2, 0:16] :: "b k+, n k+ -> b n; value 0"
-op linear.1 @1 from linear = aten.linear.default(%x[2:4, 0:8], %p_weight) -> %y[2:4, 0:16]{1/2} :: "b k+, n k+ -> b n; value 0"
+op linear.1 @1 from linear recompute 2 = aten.linear.default(%x[2:4, 0:8], %p_weight) -> %y[2:4, 0:16]{1/2} :: "b k+, n k+ -> b n; value 0"
 op view @1 = aten.view.default(%y, [4, 4, 4], dtype=torch.float32, fill=-inf, device=torch.device('cpu')) -> %y :: "a (b c) -> a b c; value 0"
 output %y
 order linear.0 -> linear.1

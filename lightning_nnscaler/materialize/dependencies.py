@@ -1,0 +1,213 @@
+"""Dependency materialization: a placed graph -> one program per rank.
+
+For every piece an op reads, find the pieces written so far whose masks overlap it: an identical
+piece on the same rank is used as is; otherwise each overlapping box is fetched (a local slice,
+or a send on its producer's rank and a receive here), placed into the piece, and value parts are
+added up. A value part ``k > 0`` of a whole tensor is exact zeros and needs no data. Graph inputs
+(parameters, buffers, constants, user inputs) are held locally: each rank holds the bounding box
+of what its ops read, and ranks holding the same parameter box form a gradient group.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+from lightning_nnscaler.ir.graph import Graph
+from lightning_nnscaler.ir.tensor import IndexMask, VTensor
+from lightning_nnscaler.ir.validate import validate_plan
+from lightning_nnscaler.materialize.program import (
+    Assemble, Compute, Fragment, GradientGroup, LocalTensor, Program, RankOutput, RankProgram, Recv, Send, box_of,
+)
+
+PieceKey = tuple[str, IndexMask, object]
+
+
+class MaterializeError(ValueError):
+    """A piece cannot be assembled from what the plan produces; names the op and the tensor."""
+
+
+def materialize(graph: Graph, world_size: int) -> Program:
+    """Lower a placed graph into per-rank programs (see the module docstring)."""
+    validate_plan(graph, world_size)
+    return _Builder(graph, world_size).run()
+
+
+def _bounding(masks: list[IndexMask]) -> IndexMask:
+    return IndexMask(tuple((min(r[d][0] for r in (m.ranges for m in masks)), max(r[d][1] for r in (m.ranges for m in masks))) for d in range(len(masks[0].ranges))))
+
+
+class _Builder:
+    def __init__(self, graph: Graph, world_size: int) -> None:
+        self.graph = graph
+        self.programs = [RankProgram(rank) for rank in range(world_size)]
+        self.written: dict[str, list[tuple[VTensor, int, str, float]]] = defaultdict(list)
+        self.cache: list[dict[PieceKey, str]] = [{} for _ in range(world_size)]
+        self.used_names: list[set[str]] = [set() for _ in range(world_size)]
+        self.held: dict[tuple[int, str], tuple[str, IndexMask]] = {}
+        self.tags = itertools.count(1)
+
+    def var(self, rank: int, base: str) -> str:
+        name = "".join(c if c.isalnum() or c == "_" else "_" for c in base)
+        if not name or name[0].isdigit():
+            name = "t_" + name
+        candidate = name
+        for index in itertools.count(1):
+            if candidate not in self.used_names[rank]:
+                break
+            candidate = f"{name}_{index}"
+        self.used_names[rank].add(candidate)
+        return candidate
+
+    def run(self) -> Program:
+        self.hold_graph_inputs()
+        for position, op in enumerate(self.graph.ops):
+            rank = op.device
+            input_vars = tuple(self.obtain(rank, piece, position, op.name) for piece in op.tensor_inputs)
+            output_vars = tuple(self.var(rank, output.name) for output in op.outputs)
+            self.programs[rank].actions.append(Compute(position, op, input_vars, output_vars))
+            for output, var in zip(op.outputs, output_vars):
+                self.written[output.name].append((output, rank, var, position))
+                self.cache[rank].setdefault((output.name, output.index, output.value), var)
+        self.collect_outputs()
+        for program in self.programs:
+            program.actions.sort(key=lambda action: action.position)
+        return Program(len(self.programs), self.programs, self.gradient_groups())
+
+    # --- graph inputs -------------------------------------------------------------------------
+
+    def hold_graph_inputs(self) -> None:
+        """Each rank holds the bounding box of every graph input it reads; partially overlapping
+        parameter boxes on different ranks grow to their union so gradient groups are exact."""
+        needed: dict[str, dict[int, list[IndexMask]]] = defaultdict(lambda: defaultdict(list))
+        for op in self.graph.ops:
+            for piece in op.tensor_inputs:
+                if self.graph.tensors[piece.name].role != "activation" and piece.value.part == 0:
+                    needed[piece.name][op.device].append(piece.index)
+        for name, by_rank in needed.items():
+            boxes = {rank: _bounding(masks) for rank, masks in by_rank.items()}
+            if self.graph.tensors[name].role == "parameter":
+                boxes = _merge_partial_overlaps(boxes)
+            tensor = self.graph.tensors[name]
+            for rank, box in sorted(boxes.items()):
+                var = self.var(rank, name)
+                self.held[(rank, name)] = (var, box)
+                self.programs[rank].inputs.append(LocalTensor(var, name, tensor.state_key, box_of(box), tensor.role))
+
+    def gradient_groups(self) -> list[GradientGroup]:
+        groups: dict[tuple[str, tuple], list[int]] = defaultdict(list)
+        for (rank, name), (_, box) in sorted(self.held.items()):
+            tensor = self.graph.tensors[name]
+            if tensor.role == "parameter" and tensor.requires_grad:
+                groups[(name, box_of(box))].append(rank)
+        return [GradientGroup(name, self.graph.tensors[name].state_key or name, box, tuple(ranks)) for (name, box), ranks in groups.items()]
+
+    # --- pieces ---------------------------------------------------------------------------------
+
+    def obtain(self, rank: int, piece: VTensor, position: int, reader: str) -> str:
+        key = (piece.name, piece.index, piece.value)
+        if key in self.cache[rank]:
+            return self.cache[rank][key]
+        if self.graph.tensors[piece.name].role != "activation":
+            var = self.slice_held(rank, piece, position)
+        else:
+            var = self.fetch(rank, piece, position, reader)
+        self.cache[rank][key] = var
+        return var
+
+    def slice_held(self, rank: int, piece: VTensor, position: int) -> str:
+        if piece.value.part > 0:
+            return self.zeros(rank, piece, position)
+        held_var, box = self.held[(rank, piece.name)]
+        if piece.index == box:
+            return held_var
+        region = piece.index.slices_within(box)
+        full = tuple(slice(0, size) for size in piece.shape)
+        var = self.var(rank, f"{piece.name}_piece")
+        fragment = Fragment(held_var, region, full, whole=False)
+        self.programs[rank].actions.append(Assemble(position - 0.25, var, piece, (fragment,)))
+        return var
+
+    def zeros(self, rank: int, piece: VTensor, position: int) -> str:
+        var = self.var(rank, f"{piece.name}_zero_part")
+        self.programs[rank].actions.append(Assemble(position - 0.25, var, piece, (), zeros=True))
+        return var
+
+    def fetch(self, rank: int, piece: VTensor, position: int, reader: str) -> str:
+        written = self.written.get(piece.name, [])
+        exact = [entry for entry in written if entry[0].index == piece.index and entry[0].value == piece.value]
+        if not exact and piece.value.part > 0:
+            return self.zeros(rank, piece, position)
+        candidates = exact or written
+        distinct: dict[tuple, list[tuple[VTensor, int, str, float]]] = defaultdict(list)
+        for entry in candidates:
+            if entry[0].index.intersect(piece.index) is not None:
+                distinct[(entry[0].index, entry[0].value)].append(entry)
+        self.check_coverage(piece, [holders[0][0] for holders in distinct.values()], reader)
+        fragments = []
+        for holders in distinct.values():
+            source, holder_rank, source_var, produced_at = _choose_holder(holders, rank)
+            overlap = source.index.intersect(piece.index)
+            source_region = () if overlap == source.index else overlap.slices_within(source.index)
+            target_region = overlap.slices_within(piece.index)
+            whole = overlap == piece.index == source.index
+            if holder_rank != rank:
+                source_var = self.transfer(holder_rank, source_var, source_region, rank, overlap.shape, piece, produced_at, position)
+                source_region = ()
+                whole = overlap == piece.index
+            fragments.append(Fragment(source_var, source_region, target_region, whole))
+        if len(fragments) == 1 and fragments[0].whole:
+            return fragments[0].var
+        var = self.var(rank, f"{piece.name}_assembled")
+        self.programs[rank].actions.append(Assemble(position - 0.25, var, piece, tuple(fragments)))
+        return var
+
+    def transfer(self, src: int, source_var: str, region: tuple[slice, ...], dst: int, shape: tuple[int, ...], piece: VTensor, produced_at: float, position: int) -> str:
+        tag = next(self.tags)
+        self.programs[src].actions.append(Send(produced_at + 0.1, source_var, region, dst, tag))
+        var = self.var(dst, f"{piece.name}_from_{src}")
+        self.programs[dst].actions.append(Recv(position - 0.5, var, shape, piece.tensor.dtype, src, tag))
+        return var
+
+    def check_coverage(self, piece: VTensor, sources: list[VTensor], reader: str) -> None:
+        """Every element must be covered by value parts adding up to exactly one whole."""
+        import torch
+
+        coverage = torch.zeros(piece.shape, dtype=torch.float64)
+        for source in sources:
+            overlap = source.index.intersect(piece.index)
+            coverage[overlap.slices_within(piece.index)] += 1.0 / source.value.parts
+        if not sources or not torch.allclose(coverage, torch.ones_like(coverage)):
+            raise MaterializeError(
+                f"op {reader!r} reads {piece} but the pieces written before it do not add up to it exactly; "
+                "check the op_trans splits of its producers"
+            )
+
+    def collect_outputs(self) -> None:
+        for name in self.graph.outputs:
+            seen: set[tuple] = set()
+            for piece, rank, var, _ in sorted(self.written[name], key=lambda entry: entry[1]):
+                key = (piece.index, piece.value)
+                self.programs[rank].outputs.append(RankOutput(name, var, piece, seed=key not in seen))
+                seen.add(key)
+
+
+def _choose_holder(holders: list[tuple[VTensor, int, str, float]], rank: int) -> tuple[VTensor, int, str, float]:
+    """A local replica if there is one, else spread readers over the replicas deterministically."""
+    for holder in holders:
+        if holder[1] == rank:
+            return holder
+    ordered = sorted(holders, key=lambda holder: holder[1])
+    return ordered[rank % len(ordered)]
+
+
+def _merge_partial_overlaps(boxes: dict[int, IndexMask]) -> dict[int, IndexMask]:
+    changed = True
+    while changed:
+        changed = False
+        for first, second in itertools.combinations(sorted(boxes), 2):
+            a, b = boxes[first], boxes[second]
+            if a != b and a.intersect(b) is not None:
+                boxes[first] = boxes[second] = _bounding([a, b])
+                changed = True
+    return boxes

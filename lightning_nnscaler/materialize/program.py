@@ -1,0 +1,147 @@
+"""Per-rank programs: the ordered actions one rank runs, after dependency materialization.
+
+Every action carries the global ``position`` it was placed at (a position in the planned graph's
+op order); each rank runs its actions sorted by position, so blocking receives and collectives
+only ever wait for data produced at earlier positions, on every rank alike — no deadlock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightning_nnscaler.ir.op import Op
+from lightning_nnscaler.ir.tensor import IndexMask, VTensor
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Run ``op``; its input pieces are the variables ``input_vars``, its outputs ``output_vars``."""
+
+    position: float
+    op: Op
+    input_vars: tuple[str, ...]
+    output_vars: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send ``source_var[region]`` to ``dst`` (asynchronous)."""
+
+    position: float
+    source_var: str
+    region: tuple[slice, ...]
+    dst: int
+    tag: int
+
+
+@dataclass(frozen=True)
+class Recv:
+    """Receive a tensor of ``shape``/``dtype`` from ``src`` into ``var`` (blocking)."""
+
+    position: float
+    var: str
+    shape: tuple[int, ...]
+    dtype: str
+    src: int
+    tag: int
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """Part of a piece being assembled: ``var[source_region]`` lands at ``target_region``."""
+
+    var: str
+    source_region: tuple[slice, ...]
+    target_region: tuple[slice, ...]
+    whole: bool  # the fragment is the entire target piece
+
+
+@dataclass(frozen=True)
+class Assemble:
+    """Build ``var`` (the piece ``piece``) by placing and adding fragments (value parts add up)."""
+
+    position: float
+    var: str
+    piece: VTensor
+    fragments: tuple[Fragment, ...]
+    zeros: bool = False  # a value part k > 0 of a whole tensor: exact zeros, no data needed
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A collective among ``ranks`` on ``source_var``, producing ``var``."""
+
+    position: float
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
+    var: str
+    source_var: str
+    ranks: tuple[int, ...]
+    dim: int = 0
+    second_dim: int = 0
+
+
+Action = Compute | Send | Recv | Assemble | Collective
+
+
+@dataclass(frozen=True)
+class LocalTensor:
+    """A graph input piece this rank holds: ``var`` is tensor ``name`` restricted to ``box``."""
+
+    var: str
+    name: str
+    state_key: str | None
+    box: Box
+    role: str
+
+
+@dataclass(frozen=True)
+class RankOutput:
+    """A graph output piece this rank computes; ``seed`` marks the replica that starts backward."""
+
+    name: str
+    var: str
+    piece: VTensor
+    seed: bool
+
+
+@dataclass
+class RankProgram:
+    """What one rank runs: its graph-input pieces, ordered actions and output pieces."""
+
+    rank: int
+    inputs: list[LocalTensor] = field(default_factory=list)
+    actions: list[Action] = field(default_factory=list)
+    outputs: list[RankOutput] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class GradientGroup:
+    """Ranks holding the same box of a parameter: their gradients are summed after backward."""
+
+    name: str
+    state_key: str
+    box: Box
+    ranks: tuple[int, ...]
+
+
+@dataclass
+class Program:
+    """The materialized plan: one program per rank plus the gradient reduction groups."""
+
+    world_size: int
+    ranks: list[RankProgram]
+    gradient_groups: list[GradientGroup]
+
+    def communication_groups(self) -> list[tuple[int, ...]]:
+        """Every rank tuple a collective or gradient reduction uses, sorted (for group creation)."""
+        groups = {group.ranks for group in self.gradient_groups if len(group.ranks) > 1}
+        for program in self.ranks:
+            groups.update(action.ranks for action in program.actions if isinstance(action, Collective))
+        return sorted(groups)
+
+
+def box_of(mask: IndexMask) -> Box:
+    """An index mask as a plain tuple of ranges."""
+    return tuple(mask.ranges)

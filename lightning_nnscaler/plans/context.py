@@ -1,0 +1,24 @@
+"""PlanContext: what a recipe knows about the run besides the graph, and what it may set for the runtime."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ZERO_STAGES = (0, 1, 3)
+
+
+@dataclass
+class PlanContext:
+    """The run a recipe plans for; a recipe reads ``world_size`` and may set the runtime options."""
+
+    world_size: int
+    """Number of devices (ranks); every op must end up on one of ``0..world_size-1``."""
+    zero_stage: int = 0
+    """ZeRO sharding over the data-parallel group, a runtime option a recipe may set: 0 = none,
+    1 = optimizer state sharded, 3 = optimizer state and parameters sharded."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
+            raise ValueError(f"PlanContext.world_size must be a positive int, got {self.world_size!r}")
+        if self.zero_stage not in ZERO_STAGES:
+            raise ValueError(f"PlanContext.zero_stage must be one of {ZERO_STAGES}, got {self.zero_stage!r}")

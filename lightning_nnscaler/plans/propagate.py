@@ -1,0 +1,172 @@
+"""Split propagation: follow a partition from tensor to tensor through the ops' dimension annotations.
+
+A walk visits ops in graph order, knowing which tensors are split into ``parts`` along which dim
+(the seeds, then whatever it split itself). An op that reads a split tensor at dim ``i`` is offered
+the name its annotation gives that dim (``inputs[position][i]``, the first name of a merged dim),
+when that name may be split and ``parts`` divides it. A ``choose`` callback picks the name to split
+the op by — by default the first name offered, so the split simply flows on; a recipe's callback
+may also start a split no input offers (Megatron's column-split linear). After ``op_trans`` the
+outputs carry the split at each dim that the name heads. Splitting a reduction name (``k+``) leaves
+the outputs value-partial: the walk stops there (materialization will add the reduction), unless
+``through_value`` is set, which lets a value split pass on through ops linear in that input
+(``; value ...`` in the annotation), e.g. the final ``loss_sum / count`` of data parallelism.
+
+Placement: piece ``j`` of ``p`` goes to ``devices[j * len(devices) // p]``, so with
+``p = shards * len(devices)`` each device gets ``shards`` consecutive pieces; ops the walk left
+whole are replicated, one copy per device of the group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from lightning_nnscaler.ir.annotation import AnnotationError
+from lightning_nnscaler.ir.graph import Graph
+from lightning_nnscaler.ir.op import Op
+from lightning_nnscaler.primitives import op_assign, op_trans
+
+Choose = Callable[[Op, list[str]], "str | None"]
+"""``choose(op, offered)``: the dim name to split ``op`` by, or ``None`` to leave it whole.
+``offered`` lists the names (in input order, each once) at which split inputs arrive."""
+
+
+def follow(op: Op, offered: list[str]) -> str | None:
+    """The default choice: split by the first name a split input offers."""
+    return offered[0] if offered else None
+
+
+@dataclass
+class Walk:
+    """The ops a walk visited, in graph order, each with its pieces (``None``: left whole)."""
+
+    steps: list[tuple[Op, list[Op] | None]] = field(default_factory=list)
+
+    @property
+    def split(self) -> list[list[Op]]:
+        """Pieces of every op the walk split."""
+        return [pieces for _, pieces in self.steps if pieces is not None]
+
+    @property
+    def whole(self) -> list[Op]:
+        """Ops no split reached (to be replicated)."""
+        return [op for op, pieces in self.steps if pieces is None]
+
+    def runs(self) -> list[list[list[Op]]]:
+        """Stretches of consecutively split ops (an attention block, an MLP), cut by whole ops."""
+        runs: list[list[list[Op]]] = [[]]
+        for _, pieces in self.steps:
+            if pieces is None:
+                runs.append([])
+            else:
+                runs[-1].append(pieces)
+        return [run for run in runs if run]
+
+
+def propagate(
+    graph: Graph,
+    parts: int,
+    *,
+    seeds: dict[str, int] | None = None,
+    ops: Iterable[str] | None = None,
+    choose: Choose = follow,
+    through_value: bool = False,
+) -> Walk:
+    """Split ops of ``graph`` into ``parts`` pieces wherever a split reaches them (see the module doc).
+
+    Args:
+        graph: The graph to edit (with ``op_trans`` only; nothing is placed).
+        parts: Pieces per split op; 1 leaves every op whole.
+        seeds: Tensor name -> dim already split into ``parts`` (e.g. the batch dim of user inputs).
+        ops: Names of the ops to visit, in order (default: all); a region such as one
+            data-parallel replica. Tensors are tracked by name, so a region must hold at most one
+            piece of each tensor it splits.
+        choose: Picks the name to split each op by (default: `follow`).
+        through_value: Let value-partial tensors split the ops linear in them by value.
+
+    Returns:
+        The walk: each visited op with its pieces or ``None``.
+    """
+    index_splits = dict(seeds or {})  # tensor name -> dim cut into `parts`
+    value_splits: set[str] = set()  # tensors held as `parts` partial sums
+    walk = Walk()
+    for name in list(ops) if ops is not None else [op.name for op in graph.ops]:
+        op = graph.op(name)
+        chosen = choose(op, _offered_names(op, index_splits)) if parts > 1 else None
+        if chosen is not None and can_split(op, chosen, parts):
+            pieces = op_trans(graph, op, chosen, parts)
+            _record_outputs(op, chosen, index_splits, value_splits)
+        elif through_value and parts > 1 and _reads_value_split(op, value_splits):
+            pieces = op_trans(graph, op, "value", parts)
+            value_splits.update(output.name for output in op.outputs)
+        else:
+            pieces = None
+        walk.steps.append((op, pieces))
+    return walk
+
+
+def can_split(op: Op, name: str, parts: int) -> bool:
+    """Whether ``op_trans(graph, op, name, parts)`` is allowed: a splittable name that ``parts`` divides."""
+    annotation = op.dims
+    if annotation is None or name not in annotation.splittable_names():
+        return False
+    try:
+        sizes = annotation.name_sizes([piece.shape for piece in op.tensor_inputs], [piece.shape for piece in op.outputs])
+    except AnnotationError:
+        return False
+    return name in sizes and sizes[name] % parts == 0
+
+
+def place(graph: Graph, walk: Walk, devices: Sequence[int]) -> None:
+    """Assign the walk's pieces over ``devices`` and replicate its whole ops, one copy per device."""
+    for pieces in walk.split:
+        assign_pieces(graph, pieces, devices)
+    for op in walk.whole:
+        assign_pieces(graph, replicate(graph, op, len(devices)), devices)
+
+
+def assign_pieces(graph: Graph, pieces: Sequence[Op], devices: Sequence[int]) -> None:
+    """Piece ``j`` of ``p`` -> ``devices[j * len(devices) // p]`` (consecutive pieces share a device)."""
+    for index, piece in enumerate(pieces):
+        op_assign(graph, piece, devices[index * len(devices) // len(pieces)])
+
+
+def replicate(graph: Graph, op: Op | str, copies: int) -> list[Op]:
+    """``copies`` identical pieces of ``op`` (the op itself when one copy)."""
+    return [graph.op(op)] if copies == 1 else op_trans(graph, op, "replicate", copies)
+
+
+def _offered_names(op: Op, index_splits: dict[str, int]) -> list[str]:
+    annotation = op.dims
+    if annotation is None:
+        return []
+    splittable = annotation.splittable_names()
+    offered: list[str] = []
+    for position, piece in enumerate(op.tensor_inputs):
+        dim = index_splits.get(piece.name)
+        if dim is None or position >= len(annotation.inputs):
+            continue
+        names = annotation.inputs[position][dim].names
+        if names and names[0] in splittable and names[0] not in offered:
+            offered.append(names[0])
+    return offered
+
+
+def _record_outputs(op: Op, name: str, index_splits: dict[str, int], value_splits: set[str]) -> None:
+    annotation = op.dims
+    assert annotation is not None  # can_split checked it
+    for output, spec in zip(op.outputs, annotation.outputs):
+        if name in annotation.reduced:
+            value_splits.add(output.name)
+            continue
+        dim = next((axis for axis, dim_spec in enumerate(spec) if dim_spec.names[:1] == (name,)), None)
+        if dim is not None:
+            index_splits[output.name] = dim
+
+
+def _reads_value_split(op: Op, value_splits: set[str]) -> bool:
+    annotation = op.dims
+    if annotation is None:
+        return False
+    inputs = op.tensor_inputs
+    return any(position < len(inputs) and inputs[position].name in value_splits for position in annotation.value_inputs)

@@ -1,0 +1,213 @@
+"""The communicator that generated per-rank code calls, and its torch.distributed implementation.
+
+Generated code sees only the ``Communicator`` protocol, so the same code runs over real processes
+(``TorchDistributedCommunicator``: gloo on CPU, NCCL on CUDA) and over threads in one process
+(``memory_comm.InMemoryCommunicator``, used by ``verify``).
+
+Conventions shared by every implementation:
+
+- ``ranks`` is a sorted tuple of *global* ranks that contains this rank; a rank's position in it is
+  its chunk index (``all_gather`` concatenates in ``ranks`` order, ``reduce_scatter`` keeps chunk
+  ``ranks.index(rank)``). Every rank in ``ranks`` passes a tensor of the same shape and dtype.
+- Collectives return a new tensor and never modify their input.
+- ``send`` returns at once; ``wait_sends`` waits for every send issued so far. ``recv`` blocks.
+  Messages between the same (src, dst, tag) arrive in the order they were sent.
+- Every wait is bounded by the communicator's timeout and raises ``CommunicationError`` naming the
+  op, the peer or group, the tag and the timeout, so a dead or diverged peer fails instead of hangs.
+  After a ``CommunicationError`` the communicator is unusable (gloo closes the pair on a timeout).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Iterable, Protocol, Sequence, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from lightning_nnscaler.runtime.groups import GroupCache
+
+
+class CommunicationError(RuntimeError):
+    """A communication failed or did not complete within the timeout; the message names op, peer and tag."""
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """What generated per-rank code calls; see the module docstring for the shared conventions."""
+
+    rank: int
+    world_size: int
+
+    def create_groups(self, all_rank_tuples: Iterable[Sequence[int]]) -> None:
+        """Prepare every ``ranks`` tuple the program uses; call once at setup, with the same tuples on all ranks."""
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        """Start sending ``tensor`` to ``dst``; returns at once (see ``wait_sends``)."""
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
+        """Block until the tensor sent by ``src`` with ``tag`` arrives."""
+
+    def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
+        """Sum over ``ranks``."""
+
+    def all_gather(self, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
+        """Concatenate every rank's tensor along ``dim`` in ``ranks`` order."""
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
+        """Sum over ``ranks``, then keep chunk ``ranks.index(rank)`` along ``dim``."""
+
+    def all_to_all(self, tensor: torch.Tensor, split_dim: int, concat_dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
+        """Send chunk ``i`` along ``split_dim`` to ``ranks[i]``; concatenate what arrives along ``concat_dim``."""
+
+    def broadcast(
+        self, tensor: torch.Tensor | None, src: int, ranks: tuple[int, ...], shape: Sequence[int], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``src``'s tensor on every rank of ``ranks``; the others pass ``None``."""
+
+    def wait_sends(self) -> None:
+        """Wait until every send issued so far has completed."""
+
+    def barrier(self) -> None:
+        """Wait for every rank of the world."""
+
+
+def check_ranks(ranks: tuple[int, ...], rank: int, world_size: int) -> tuple[int, ...]:
+    """Return ``ranks`` as a tuple, or raise ValueError naming what is wrong with it."""
+    ranks = tuple(ranks)
+    if rank not in ranks or list(ranks) != sorted(set(ranks)) or ranks[0] < 0 or ranks[-1] >= world_size:
+        raise ValueError(
+            f"ranks {ranks} must be a sorted tuple of distinct ranks in [0, {world_size}) that contains rank {rank}"
+        )
+    return ranks
+
+
+def check_peer(peer: int, rank: int, world_size: int) -> None:
+    """Raise ValueError unless ``peer`` is another rank of the world."""
+    if not 0 <= peer < world_size or peer == rank:
+        raise ValueError(f"peer {peer} of rank {rank} must be another rank in [0, {world_size})")
+
+
+def check_divisible(tensor: torch.Tensor, dim: int, parts: int, op: str) -> None:
+    """Raise ValueError unless ``tensor`` splits into ``parts`` equal chunks along ``dim``."""
+    if tensor.shape[dim] % parts:
+        raise ValueError(f"{op}: dim {dim} of shape {tuple(tensor.shape)} does not split into {parts} equal chunks")
+
+
+class TorchDistributedCommunicator:
+    """``Communicator`` over the initialized default process group.
+
+    Tensors are expected on the backend's device (the current CUDA device for NCCL, CPU otherwise);
+    ``recv`` and ``broadcast`` allocate there. Sub-groups must be created upfront with
+    ``create_groups`` (a collective call, same tuples on every rank) before the first collective.
+
+    Args:
+        timeout: seconds every wait may take before it raises ``CommunicationError``.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "TorchDistributedCommunicator needs the default process group: "
+                "call torch.distributed.init_process_group(...) first"
+            )
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.timeout = timeout
+        self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        self.groups = GroupCache(timeout)
+        # (work, the tensor it reads, description): the tensor must stay alive until the send completes.
+        self._pending_sends: list[tuple[dist.Work, torch.Tensor, str]] = []
+
+    def create_groups(self, all_rank_tuples: Iterable[Sequence[int]]) -> None:
+        self.groups.create_groups(all_rank_tuples)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        check_peer(dst, self.rank, self.world_size)
+        tensor = tensor.detach().contiguous()
+        self._pending_sends.append((dist.isend(tensor, dst, tag=tag), tensor, f"send to rank {dst} with tag {tag}"))
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
+        check_peer(src, self.rank, self.world_size)
+        tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        self._wait(dist.irecv(tensor, src, tag=tag), f"recv from rank {src} with tag {tag}")
+        return tensor
+
+    def wait_sends(self) -> None:
+        pending, self._pending_sends = self._pending_sends, []
+        for work, _, description in pending:
+            self._wait(work, description)
+
+    def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
+        group = self._group(ranks)
+        result = tensor.detach().clone(memory_format=torch.contiguous_format)
+        if len(ranks) > 1:
+            self._wait(dist.all_reduce(result, group=group, async_op=True), f"all_reduce over ranks {ranks}")
+        return result
+
+    def all_gather(self, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
+        group = self._group(ranks)
+        tensor = tensor.detach().contiguous()
+        chunks = [torch.empty_like(tensor) for _ in ranks]
+        if len(ranks) > 1:
+            self._wait(dist.all_gather(chunks, tensor, group=group, async_op=True), f"all_gather over ranks {ranks}")
+        else:
+            chunks[0].copy_(tensor)
+        return torch.cat(chunks, dim)
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
+        group = self._group(ranks)
+        check_divisible(tensor, dim, len(ranks), "reduce_scatter")
+        chunks = [chunk.contiguous() for chunk in tensor.detach().chunk(len(ranks), dim)]
+        result = torch.empty_like(chunks[0])
+        if len(ranks) > 1:
+            work = dist.reduce_scatter(result, chunks, group=group, async_op=True)
+            self._wait(work, f"reduce_scatter over ranks {ranks}")
+        else:
+            result.copy_(chunks[0])
+        return result
+
+    def all_to_all(self, tensor: torch.Tensor, split_dim: int, concat_dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
+        group = self._group(ranks)
+        check_divisible(tensor, split_dim, len(ranks), "all_to_all")
+        inputs = [chunk.contiguous() for chunk in tensor.detach().chunk(len(ranks), split_dim)]
+        outputs = [torch.empty_like(chunk) for chunk in inputs]
+        if len(ranks) > 1:
+            work = dist.all_to_all(outputs, inputs, group=group, async_op=True)
+            self._wait(work, f"all_to_all over ranks {ranks}")
+        else:
+            outputs[0].copy_(inputs[0])
+        return torch.cat(outputs, concat_dim)
+
+    def broadcast(
+        self, tensor: torch.Tensor | None, src: int, ranks: tuple[int, ...], shape: Sequence[int], dtype: torch.dtype
+    ) -> torch.Tensor:
+        group = self._group(ranks)
+        if src not in ranks:
+            raise ValueError(f"broadcast source rank {src} is not in ranks {ranks}")
+        if self.rank == src:
+            if tensor is None:
+                raise ValueError(f"broadcast: source rank {src} must pass the tensor to broadcast")
+            result = tensor.detach().clone(memory_format=torch.contiguous_format)
+        else:
+            result = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        if len(ranks) > 1:
+            work = dist.broadcast(result, src=src, group=group, async_op=True)
+            self._wait(work, f"broadcast from rank {src} over ranks {ranks}")
+        return result
+
+    def barrier(self) -> None:
+        self._wait(dist.barrier(async_op=True), f"barrier over all {self.world_size} ranks")
+
+    def _group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+        return self.groups.get(check_ranks(ranks, self.rank, self.world_size))
+
+    def _wait(self, work: dist.Work, description: str) -> None:
+        try:
+            completed = work.wait(timeout=timedelta(seconds=self.timeout))
+        except Exception as error:  # gloo and NCCL raise RuntimeError / DistBackendError with the cause
+            raise CommunicationError(
+                f"rank {self.rank}: {description} failed or did not complete within {self.timeout} s: {error}"
+            ) from error
+        if completed is False:
+            raise CommunicationError(f"rank {self.rank}: {description} did not complete within {self.timeout} s")

@@ -1,0 +1,134 @@
+"""Running one rank's generated module: holding its pieces, forward, backward, gradient sums.
+
+The executor decides nothing: what each rank holds and which ranks sum which gradients come from
+the materialized program; the generated module does the step itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from lightning_nnscaler.materialize.program import Box
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A box of a parameter (or buffer) that this rank holds."""
+
+    state_key: str
+    box: Box
+    tensor: torch.Tensor
+
+
+def _region(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(start, stop) for start, stop in box)
+
+
+class RankExecutor:
+    """Holds rank ``rank``'s parameter and buffer boxes and runs its module's ``forward``.
+
+    Args:
+        module: The rank's generated module (see ``codegen.emit``).
+        rank: This rank.
+        state: The full model state (``state_dict`` keys -> tensors); only this rank's boxes are copied.
+        constants: Values of the graph's lifted constants.
+        communicator: The rank's communicator.
+        device: Where the pieces live.
+    """
+
+    def __init__(
+        self,
+        module: ModuleType,
+        rank: int,
+        state: dict[str, torch.Tensor],
+        constants: dict[str, torch.Tensor],
+        communicator: Any,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.module = module
+        self.rank = rank
+        self.communicator = communicator
+        self.device = torch.device(device)
+        module.DEVICE = self.device
+        self.held: dict[str, torch.Tensor] = {}
+        self.input_boxes: dict[str, tuple[str, Box]] = {}
+        self.shards: dict[str, Shard] = {}
+        for var, (name, state_key, box, role) in module.HELD.items():
+            if role == "input":
+                self.input_boxes[var] = (name, box)
+            elif role == "constant":
+                self.held[var] = constants[name][_region(box)].to(self.device)
+            else:
+                source = state[state_key]
+                piece = source.detach()[_region(box)].clone().to(self.device)
+                if role == "parameter" and source.requires_grad:
+                    piece = torch.nn.Parameter(piece)
+                self.held[var] = piece
+                self.shards[var] = Shard(state_key, box, piece)
+        by_box = {(shard.state_key, shard.box): shard.tensor for shard in self.shards.values()}
+        self.reductions = [(by_box[(key, box)], ranks) for key, box, ranks in module.GRADIENT_GROUPS]
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The parameter boxes this rank trains (what its optimizer updates)."""
+        return [shard.tensor for shard in self.shards.values() if isinstance(shard.tensor, torch.nn.Parameter)]
+
+    def forward_backward(self, inputs: dict[str, torch.Tensor], *, backward: bool = True) -> torch.Tensor:
+        """One step's forward and backward on this rank; returns the whole loss (same on every rank).
+
+        Args:
+            inputs: The full batch by graph input name; each rank slices the box it needs.
+            backward: False to run forward only (evaluation).
+        """
+        held = dict(self.held)
+        for var, (name, box) in self.input_boxes.items():
+            held[var] = inputs[name][_region(box)].to(self.device)
+        token = torch.zeros((), device=self.device, requires_grad=backward)
+        with torch.set_grad_enabled(backward):
+            outputs, token = self.module.forward(held, self.communicator, token)
+        seeds = [outputs[name] for name, _, seed in self.module.OUTPUTS if seed]
+        if backward:
+            # The token's chain reaches every send whose backward receives a gradient from a peer.
+            roots = [seed for seed in seeds if seed.requires_grad] + [token]
+            torch.autograd.backward(roots, [torch.ones_like(root) for root in roots[:-1]] + [torch.zeros_like(token)])
+        self.communicator.wait_sends()
+        if backward:
+            self.sum_gradients()
+        return self.whole_loss(seeds)
+
+    def sum_gradients(self) -> None:
+        """Sum the gradients of parameter boxes held by several ranks (data-parallel replicas)."""
+        for parameter, ranks in self.reductions:
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+            parameter.grad.copy_(self.communicator.all_reduce(parameter.grad, ranks))
+
+    def whole_loss(self, seeds: list[torch.Tensor]) -> torch.Tensor:
+        """The scalar loss: the sum of every rank's seeded (value-part or whole) loss pieces."""
+        local = sum((seed.detach().reshape(()) for seed in seeds if seed.numel() == 1), torch.zeros((), device=self.device))
+        world = tuple(range(self.communicator.world_size))
+        return self.communicator.all_reduce(local, world) if len(world) > 1 else local
+
+
+def merge_shards(per_rank: list[dict[str, Shard]], shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Whole tensors (by state_dict key) from every rank's shards."""
+    merged: dict[str, torch.Tensor] = {}
+    for shards in per_rank:
+        for shard in shards.values():
+            whole = merged.setdefault(shard.state_key, torch.zeros(shapes[shard.state_key], dtype=shard.tensor.dtype))
+            whole[_region(shard.box)] = shard.tensor.detach().cpu()
+    return merged
+
+
+def merge_gradients(per_rank: list[dict[str, Shard]], shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Whole gradients (by state_dict key) from every rank's parameter shards."""
+    merged: dict[str, torch.Tensor] = {}
+    for shards in per_rank:
+        for shard in shards.values():
+            if isinstance(shard.tensor, torch.nn.Parameter) and shard.tensor.grad is not None:
+                whole = merged.setdefault(shard.state_key, torch.zeros(shapes[shard.state_key], dtype=shard.tensor.dtype))
+                whole[_region(shard.box)] = shard.tensor.grad.detach().cpu()
+    return merged

@@ -1,0 +1,228 @@
+"""An in-process world: N virtual ranks as threads, so every rank's generated code runs on one machine.
+
+``verify`` proves 8-32-rank plans this way. The world holds:
+
+- mailboxes keyed by ``(src, dst, tag)``: FIFO queues of cloned tensors; ``send`` deposits and
+  returns, ``recv`` blocks until one arrives.
+- rendezvous slots keyed by ``(ranks, sequence number)``: each rank's n-th collective over a
+  ``ranks`` tuple meets the other ranks' n-th one. Every rank deposits a clone of its tensor, and
+  once all have, each computes its own result from the deposits *in ranks order*, so sums are
+  added in the same order everywhere and the results are bit-identical across ranks.
+
+No tensor is shared between ranks (deposits are clones, results are fresh tensors). A rank that
+fails marks the world failed, which wakes every waiting rank with ``CommunicationError``; together
+with the timeout on every wait, nothing hangs.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence, TypeVar
+
+import torch
+
+from lightning_nnscaler.runtime.comm import CommunicationError, check_divisible, check_peer, check_ranks
+
+Result = TypeVar("Result")
+
+
+@dataclass
+class _Rendezvous:
+    """One collective call: what it is (must agree on every rank) and each rank's deposit."""
+
+    signature: str
+    deposits: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    taken: int = 0
+
+
+class InMemoryWorld:
+    """The shared state of ``world_size`` virtual ranks; each thread talks through an ``InMemoryCommunicator``.
+
+    Args:
+        world_size: number of virtual ranks.
+        timeout: seconds any wait may take before it raises ``CommunicationError``.
+    """
+
+    def __init__(self, world_size: int, timeout: float) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        self.failure: tuple[int, BaseException] | None = None
+        self._condition = threading.Condition()
+        self._mailboxes: dict[tuple[int, int, int], deque[torch.Tensor]] = defaultdict(deque)
+        self._rendezvous: dict[tuple[tuple[int, ...], int], _Rendezvous] = {}
+
+    def fail(self, rank: int, error: BaseException) -> None:
+        """Record the first failure and wake every waiting rank, whose waits then raise."""
+        with self._condition:
+            if self.failure is None:
+                self.failure = (rank, error)
+            self._condition.notify_all()
+
+    def post(self, src: int, dst: int, tag: int, tensor: torch.Tensor) -> None:
+        with self._condition:
+            self._mailboxes[(src, dst, tag)].append(tensor)
+            self._condition.notify_all()
+
+    def take(self, src: int, dst: int, tag: int) -> torch.Tensor:
+        key = (src, dst, tag)
+        with self._condition:
+            self._wait_for(lambda: bool(self._mailboxes[key]), f"rank {dst}: recv from rank {src} with tag {tag}")
+            return self._mailboxes[key].popleft()
+
+    def exchange(
+        self, rank: int, ranks: tuple[int, ...], sequence: int, signature: str, tensor: torch.Tensor | None
+    ) -> list[torch.Tensor | None]:
+        """Deposit ``tensor`` in collective number ``sequence`` over ``ranks``; return all deposits in ranks order."""
+        key = (ranks, sequence)
+        description = f"rank {rank}: {signature} over ranks {ranks} (collective #{sequence} on them)"
+        with self._condition:
+            slot = self._rendezvous.setdefault(key, _Rendezvous(signature))
+            if slot.signature != signature:
+                error = CommunicationError(
+                    f"rank {rank} called {signature} but another rank called {slot.signature} "
+                    f"as collective #{sequence} over ranks {ranks}: ranks disagree on the collective order"
+                )
+                self.failure = self.failure or (rank, error)
+                self._condition.notify_all()
+                raise error
+            slot.deposits[rank] = tensor
+            self._condition.notify_all()
+            self._wait_for(lambda: len(slot.deposits) == len(ranks), description)
+            slot.taken += 1
+            if slot.taken == len(ranks):
+                del self._rendezvous[key]
+            return [slot.deposits[member] for member in ranks]
+
+    def _wait_for(self, ready: Callable[[], bool], description: str) -> None:
+        """Wait (holding the condition) until ``ready()``; raise if the world failed or the timeout passed."""
+        deadline = time.monotonic() + self.timeout
+        while not ready():
+            if self.failure is not None:
+                failed_rank, error = self.failure
+                raise CommunicationError(f"{description} aborted: rank {failed_rank} failed with {error!r}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CommunicationError(f"{description} did not complete within {self.timeout} s")
+            self._condition.wait(remaining)
+
+
+class InMemoryCommunicator:
+    """The ``Communicator`` of one virtual rank of an ``InMemoryWorld``."""
+
+    def __init__(self, world: InMemoryWorld, rank: int) -> None:
+        if not 0 <= rank < world.world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world.world_size})")
+        self.world = world
+        self.rank = rank
+        self.world_size = world.world_size
+        self.timeout = world.timeout
+        self._sequence: dict[tuple[int, ...], int] = defaultdict(int)
+
+    def create_groups(self, all_rank_tuples: Iterable[Sequence[int]]) -> None:
+        """Nothing to create in memory; only checks that each tuple names ranks of this world."""
+        for ranks in all_rank_tuples:
+            ranks = tuple(sorted(ranks))
+            if ranks and (ranks[0] < 0 or ranks[-1] >= self.world_size):
+                raise ValueError(f"ranks {ranks} are not all in [0, {self.world_size})")
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        check_peer(dst, self.rank, self.world_size)
+        self.world.post(self.rank, dst, tag, tensor.detach().clone())
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
+        check_peer(src, self.rank, self.world_size)
+        tensor = self.world.take(src, self.rank, tag)
+        if tensor.shape != tuple(shape) or tensor.dtype != dtype:
+            raise CommunicationError(
+                f"rank {self.rank}: recv from rank {src} with tag {tag} expected {tuple(shape)} {dtype}, "
+                f"got {tuple(tensor.shape)} {tensor.dtype}: sender and receiver disagree on the message"
+            )
+        return tensor
+
+    def wait_sends(self) -> None:
+        """Sends are buffered in the world when issued, so there is nothing to wait for."""
+
+    def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
+        return _sum_in_order(self._exchange(ranks, "all_reduce", tensor))
+
+    def all_gather(self, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
+        return torch.cat(self._exchange(ranks, f"all_gather(dim={dim})", tensor), dim)
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
+        check_divisible(tensor, dim, len(ranks), "reduce_scatter")
+        deposits = self._exchange(ranks, f"reduce_scatter(dim={dim})", tensor)
+        index = ranks.index(self.rank)
+        return _sum_in_order([deposit.chunk(len(ranks), dim)[index] for deposit in deposits])
+
+    def all_to_all(self, tensor: torch.Tensor, split_dim: int, concat_dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
+        check_divisible(tensor, split_dim, len(ranks), "all_to_all")
+        deposits = self._exchange(ranks, f"all_to_all(split_dim={split_dim}, concat_dim={concat_dim})", tensor)
+        index = ranks.index(self.rank)
+        return torch.cat([deposit.chunk(len(ranks), split_dim)[index] for deposit in deposits], concat_dim)
+
+    def broadcast(
+        self, tensor: torch.Tensor | None, src: int, ranks: tuple[int, ...], shape: Sequence[int], dtype: torch.dtype
+    ) -> torch.Tensor:
+        if src not in check_ranks(ranks, self.rank, self.world_size):
+            raise ValueError(f"broadcast source rank {src} is not in ranks {ranks}")
+        if self.rank == src and tensor is None:
+            raise ValueError(f"broadcast: source rank {src} must pass the tensor to broadcast")
+        deposits = self._exchange(ranks, f"broadcast(src={src})", tensor if self.rank == src else None)
+        result = deposits[ranks.index(src)].clone()
+        if result.shape != tuple(shape) or result.dtype != dtype:
+            raise CommunicationError(
+                f"rank {self.rank}: broadcast from rank {src} expected {tuple(shape)} {dtype}, "
+                f"got {tuple(result.shape)} {result.dtype}"
+            )
+        return result
+
+    def barrier(self) -> None:
+        self._exchange(tuple(range(self.world_size)), "barrier", None)
+
+    def _exchange(self, ranks: tuple[int, ...], signature: str, tensor: torch.Tensor | None) -> list:
+        ranks = check_ranks(ranks, self.rank, self.world_size)
+        sequence = self._sequence[ranks]
+        self._sequence[ranks] += 1
+        deposit = None if tensor is None else tensor.detach().clone(memory_format=torch.contiguous_format)
+        return self.world.exchange(self.rank, ranks, sequence, signature, deposit)
+
+
+def _sum_in_order(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Left-to-right sum into a fresh tensor: the same order on every rank, so bit-identical results."""
+    total = tensors[0].clone(memory_format=torch.contiguous_format)
+    for tensor in tensors[1:]:
+        total += tensor
+    return total
+
+
+def run_ranks(world_size: int, fn: Callable[[InMemoryCommunicator], Result], timeout: float = 60.0) -> list[Result]:
+    """Run ``fn(communicator)`` for every rank of a fresh world on its own thread; return results by rank.
+
+    Raises:
+        BaseException: the first exception any rank raised (a note names the rank); the other ranks
+            were woken by the failure, so this returns within the timeout.
+    """
+    world = InMemoryWorld(world_size, timeout)
+    results: list = [None] * world_size
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(InMemoryCommunicator(world, rank))
+        except BaseException as error:  # re-raised in the caller's thread below
+            world.fail(rank, error)
+
+    threads = [threading.Thread(target=run, args=(rank,), name=f"rank{rank}", daemon=True) for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if world.failure is not None:
+        rank, error = world.failure
+        if sys.version_info >= (3, 11):
+            error.add_note(f"raised on rank {rank} of {world_size} (in-memory world)")
+        raise error
+    return results

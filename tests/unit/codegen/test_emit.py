@@ -1,0 +1,62 @@
+"""Generated per-rank code: snapshots (it is part of the product) and the hash guard."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_nnscaler as lnn
+from lightning_nnscaler.codegen import StaleCodeError, emit_rank, load_rank_module, save_sources
+from lightning_nnscaler.materialize.dependencies import materialize
+
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+
+
+class TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x))).sum()
+
+
+def megatron_two_layers() -> lnn.Graph:
+    """Column-parallel first linear, row-parallel second, replicated sum, on 2 ranks."""
+    torch.manual_seed(0)
+    graph = lnn.trace(TwoLayers(), (torch.randn(4, 8),))
+    first, second = (op for op in list(graph.ops) if op.target == "aten.linear.default")
+    relu = next(op for op in graph.ops if op.target == "aten.relu.default")
+    total = next(op for op in graph.ops if op.target == "aten.sum.default")
+    for op, dim in ((first, "n"), (relu, "b"), (second, "k"), (total, "replicate")):
+        for device, piece in enumerate(lnn.op_trans(graph, op, dim, 2)):
+            lnn.op_assign(graph, piece, device)
+    return graph
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_generated_code_matches_snapshot(rank: int) -> None:
+    source = emit_rank(materialize(megatron_two_layers(), 2), rank, "snapshot", "megatron two layers")
+    path = SNAPSHOTS / f"megatron_two_layers_rank{rank}.py"
+    if os.environ.get("UPDATE_SNAPSHOTS"):
+        path.write_text(source)
+    assert source == path.read_text(), f"generated code changed; review the diff and rerun with UPDATE_SNAPSHOTS=1"
+    compile(source, str(path), "exec")
+
+
+def test_saved_code_is_reused_and_edits_are_refused(tmp_path: Path) -> None:
+    program = materialize(megatron_two_layers(), 2)
+    sources = [emit_rank(program, rank, "h", "t") for rank in range(2)]
+    root = save_sources(tmp_path, "h" * 64, sources)
+    assert save_sources(tmp_path, "h" * 64, sources) == root
+    assert load_rank_module(root, 1).HELD
+    (root / "rank1.py").write_text(sources[1] + "\n# a local tweak\n")
+    with pytest.raises(StaleCodeError, match="rank1.py was edited"):
+        load_rank_module(root, 1)
+    with pytest.raises(StaleCodeError, match="rank1.py was edited"):
+        save_sources(tmp_path, "h" * 64, sources)
