@@ -85,7 +85,7 @@ class Plan:
             module = module_from_source(self.sources[communicator.rank], f"verify_rank{communicator.rank}")
             executor = RankExecutor(module, communicator.rank, state, self.graph.constant_values, communicator)
             loss = executor.forward_backward(inputs)
-            return float(loss), executor.shards
+            return float(loss), executor.gradients()
 
         results = run_ranks(self.world_size, run_rank, timeout=timeout)
         reference_loss = float(reference.outputs[self.graph.outputs[0]])
@@ -154,8 +154,17 @@ def parallelize(module: nn.Module, example_args: Any, recipe: str = "dp", world_
     graph = trace(module, example_args, step=step)
     planned = graph.copy()
     context = apply_recipe(planned, recipe, world_size, **params)
+    return build_plan(module, example_args, step, graph, planned, world_size, recipe=recipe, params=params, zero_stage=context.zero_stage)
+
+
+def build_plan(
+    module: nn.Module, example_args: Any, step: str | None, graph: Graph, planned: Graph, world_size: int,
+    *, recipe: str = "custom", params: dict[str, Any] | None = None, zero_stage: int = 0,
+) -> Plan:
+    """Materialize a graph planned by any means (a recipe or hand-written primitives) and generate code."""
+    params = dict(params or {})
     program = materialize(planned, world_size)
-    plan_hash = digest("\n".join([CODEGEN_VERSION, str(world_size), str(graph), str(planned)]))
+    plan_hash = digest("\n".join([CODEGEN_VERSION, str(world_size), str(zero_stage), str(graph), str(planned)]))
     label = f"recipe {recipe}" + (f" {params}" if params else "")
-    sources = [emit_rank(program, rank, plan_hash[:12], label) for rank in range(world_size)]
-    return Plan(module, example_args, step, recipe, dict(params), world_size, graph, planned, program, sources, plan_hash, context.zero_stage)
+    sources = [emit_rank(program, rank, plan_hash[:12], label, zero_stage) for rank in range(world_size)]
+    return Plan(module, example_args, step, recipe, params, world_size, graph, planned, program, sources, plan_hash, zero_stage)

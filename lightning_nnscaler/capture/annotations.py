@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Iterator
 
 from lightning_nnscaler.capture.registry import register_annotation
+from lightning_nnscaler.ir.annotation import DimAnnotation
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.tensor import VTensor
 
@@ -22,8 +23,9 @@ def _names() -> Iterator[str]:
 
 
 def _text(inputs: list[list[str]], outputs: list[list[str]], value: tuple[int, ...] = ()) -> str:
+    """The annotation in its canonical text: every occurrence of a ``+``/``^`` name carries its mark."""
     text = ", ".join(" ".join(spec) or "()" for spec in inputs) + " -> " + ", ".join(" ".join(spec) or "()" for spec in outputs)
-    return text + ("; value " + " ".join(map(str, value)) if value else "")
+    return str(DimAnnotation.parse(text + ("; value " + " ".join(map(str, value)) if value else "")))
 
 
 def _tensor_operands_only(op: Op) -> bool:

@@ -47,8 +47,8 @@ class _Name:
         return self.text
 
 
-def emit_rank(program: Program, rank: int, plan_hash: str, label: str) -> str:
-    """The source of rank ``rank``'s module."""
+def emit_rank(program: Program, rank: int, plan_hash: str, label: str, zero_stage: int = 0) -> str:
+    """The source of rank ``rank``'s module; ``zero_stage`` is the plan's ZeRO option for replicated boxes."""
     rank_program = program.ranks[rank]
     lines = [HEADER.format(rank=rank, world_size=program.world_size, plan_hash=plan_hash, label=label)]
     lines.append("HELD = {  # variable: (graph tensor, state_dict key, box, role)")
@@ -61,6 +61,7 @@ def emit_rank(program: Program, rank: int, plan_hash: str, label: str) -> str:
             lines.append(f"    ({group.state_key!r}, {group.box!r}, {group.ranks!r}),")
     lines.append("]")
     lines.append(f"GROUPS = {program.communication_groups()!r}  # every rank creates these, in this order")
+    lines.append(f"ZERO_STAGE = {zero_stage}  # replicated boxes: 0 all-reduce, 1 sharded optimizer state, 3 sharded at rest")
     lines.append("OUTPUTS = [  # (graph output, variable, starts backward)")
     for output in rank_program.outputs:
         lines.append(f"    ({output.name!r}, {output.var!r}, {output.seed!r}),")

@@ -19,7 +19,7 @@ def dp(graph: Graph, ctx: PlanContext) -> None:
 
 
 def split_batch(graph: Graph, parts: int) -> list[list[Op]]:
-    """Every op as ``parts`` pieces: batch slices where the batch split reaches, replicas elsewhere.
+    """Every op, in graph order, as ``parts`` pieces: batch slices where the batch split reaches, replicas elsewhere.
 
     Raises:
         ValueError: naming the input when ``parts`` does not divide its batch dim.
@@ -32,4 +32,4 @@ def split_batch(graph: Graph, parts: int) -> list[list[Op]]:
                 f"which {parts} does not divide; trace with a batch size that is a multiple of {parts}"
             )
     walk = propagate(graph, parts, seeds=seeds, through_value=True)  # the loss division splits by value
-    return walk.split + [replicate(graph, op, parts) for op in walk.whole]
+    return [pieces if pieces is not None else replicate(graph, op, parts) for op, pieces in walk.steps]

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from lightning_nnscaler.materialize.program import Box
+from lightning_nnscaler.runtime.reducer import GradientReducer
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class RankExecutor:
         self.communicator = communicator
         self.device = torch.device(device)
         module.DEVICE = self.device
+        communicator.create_groups(module.GROUPS)
         self.held: dict[str, torch.Tensor] = {}
         self.input_boxes: dict[str, tuple[str, Box]] = {}
         self.shards: dict[str, Shard] = {}
@@ -70,11 +72,36 @@ class RankExecutor:
                 self.held[var] = piece
                 self.shards[var] = Shard(state_key, box, piece)
         by_box = {(shard.state_key, shard.box): shard.tensor for shard in self.shards.values()}
-        self.reductions = [(by_box[(key, box)], ranks) for key, box, ranks in module.GRADIENT_GROUPS]
+        replicated = [(by_box[(key, box)], ranks) for key, box, ranks in module.GRADIENT_GROUPS]
+        self.reducer = GradientReducer(replicated, communicator, rank, getattr(module, "ZERO_STAGE", 0))
 
     def parameters(self) -> list[torch.nn.Parameter]:
-        """The parameter boxes this rank trains (what its optimizer updates)."""
-        return [shard.tensor for shard in self.shards.values() if isinstance(shard.tensor, torch.nn.Parameter)]
+        """What this rank's optimizer updates: its parameter boxes (owned chunks of them under ZeRO)."""
+        boxes = [shard.tensor for shard in self.shards.values() if isinstance(shard.tensor, torch.nn.Parameter)]
+        return self.reducer.optimizer_parameters(boxes)
+
+    def after_optimizer_step(self) -> None:
+        """Call after ``optimizer.step()``: ZeRO gathers or releases the updated boxes."""
+        self.reducer.after_optimizer_step()
+
+    def gradients(self) -> dict[str, tuple[str, Box, torch.Tensor]]:
+        """This rank's summed parameter gradients by variable: (state_dict key, box, gradient)."""
+        gathered = self.reducer.gathered_gradients() if self.reducer.zero_stage else {}
+        result = {}
+        for var, shard in self.shards.items():
+            grad = gathered.get(id(shard.tensor), shard.tensor.grad)
+            if isinstance(shard.tensor, torch.nn.Parameter) and grad is not None:
+                result[var] = (shard.state_key, shard.box, grad.detach().clone())
+        return result
+
+    def full_shards(self) -> dict[str, Shard]:
+        """This rank's boxes with their current values (under ZeRO-3, gathered for the occasion)."""
+        if self.reducer.zero_stage == 3:
+            self.reducer.gather_boxes()
+        shards = {var: Shard(shard.state_key, shard.box, shard.tensor.detach().clone()) for var, shard in self.shards.items()}
+        if self.reducer.zero_stage == 3:
+            self.reducer.release_boxes()
+        return shards
 
     def forward_backward(self, inputs: dict[str, torch.Tensor], *, backward: bool = True) -> torch.Tensor:
         """One step's forward and backward on this rank; returns the whole loss (same on every rank).
@@ -83,6 +110,8 @@ class RankExecutor:
             inputs: The full batch by graph input name; each rank slices the box it needs.
             backward: False to run forward only (evaluation).
         """
+        if backward:
+            self.reducer.before_forward()
         held = dict(self.held)
         for var, (name, box) in self.input_boxes.items():
             held[var] = inputs[name][_region(box)].to(self.device)
@@ -96,15 +125,8 @@ class RankExecutor:
             torch.autograd.backward(roots, [torch.ones_like(root) for root in roots[:-1]] + [torch.zeros_like(token)])
         self.communicator.wait_sends()
         if backward:
-            self.sum_gradients()
+            self.reducer.after_backward()
         return self.whole_loss(seeds)
-
-    def sum_gradients(self) -> None:
-        """Sum the gradients of parameter boxes held by several ranks (data-parallel replicas)."""
-        for parameter, ranks in self.reductions:
-            if parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
-            parameter.grad.copy_(self.communicator.all_reduce(parameter.grad, ranks))
 
     def whole_loss(self, seeds: list[torch.Tensor]) -> torch.Tensor:
         """The scalar loss: the sum of every rank's seeded (value-part or whole) loss pieces."""
@@ -123,12 +145,11 @@ def merge_shards(per_rank: list[dict[str, Shard]], shapes: dict[str, tuple[int, 
     return merged
 
 
-def merge_gradients(per_rank: list[dict[str, Shard]], shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """Whole gradients (by state_dict key) from every rank's parameter shards."""
+def merge_gradients(per_rank: list[dict[str, tuple[str, Box, torch.Tensor]]], shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Whole gradients (by state_dict key) from every rank's ``RankExecutor.gradients()``."""
     merged: dict[str, torch.Tensor] = {}
-    for shards in per_rank:
-        for shard in shards.values():
-            if isinstance(shard.tensor, torch.nn.Parameter) and shard.tensor.grad is not None:
-                whole = merged.setdefault(shard.state_key, torch.zeros(shapes[shard.state_key], dtype=shard.tensor.dtype))
-                whole[_region(shard.box)] = shard.tensor.grad.detach().cpu()
+    for gradients in per_rank:
+        for state_key, box, grad in gradients.values():
+            whole = merged.setdefault(state_key, torch.zeros(shapes[state_key], dtype=grad.dtype))
+            whole[_region(box)] = grad.cpu()
     return merged

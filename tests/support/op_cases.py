@@ -339,6 +339,7 @@ def check_split(case: OpCase, choice: str, parts: int) -> None:
         check_linearity(case)
 
 
+@functools.lru_cache(maxsize=None)  # once per case: it does not depend on the split
 def check_linearity(case: OpCase, seed: int = SEED) -> None:
     """Raise unless ``f(x) == f(r) + f(x - r)`` for random ``r`` in the annotation's value inputs, jointly."""
     dims = case.dims

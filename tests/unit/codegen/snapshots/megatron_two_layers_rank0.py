@@ -22,6 +22,7 @@ HELD = {  # variable: (graph tensor, state_dict key, box, role)
 GRADIENT_GROUPS = [  # (state_dict key, box, ranks whose gradients of that box are summed)
 ]
 GROUPS = []  # every rank creates these, in this order
+ZERO_STAGE = 0  # replicated boxes: 0 all-reduce, 1 sharded optimizer state, 3 sharded at rest
 OUTPUTS = [  # (graph output, variable, starts backward)
     ('sum_1', 'sum_1', True),
 ]

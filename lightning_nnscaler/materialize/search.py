@@ -1,0 +1,417 @@
+"""RVD search: the cheapest sequence of collectives that turns one layout into another.
+
+Pure planning: the result is a ``Path`` of ``Step``s (which collective, among which devices, how
+many bytes); nothing here touches torch.distributed or moves a tensor. The states are the layouts
+of ``layouts.py`` on the source or the target group, the edges the transitions of the table below,
+and Dijkstra finds the path of least cost under an injected ``CostModel``. A point-to-point
+fallback edge from the source straight to the target is always there, so every search has an
+answer, and uneven layouts (a split that does not divide its dim) get exactly that answer.
+
+Transition table. ``f`` is a factor of the count moved; an in-group collective runs among the
+``f`` devices whose coordinates differ only in the inner ``f``-part of the source axis, all such
+sub-groups at once (``layouts.regroup_order``). ``n`` is the message size of the cost formulas:
+
+    kind               axes      n (bytes per device)     volume per sub-group   effect on a device
+    all-reduce         V  → R    piece                    2(f-1)·n               sums f value parts
+    all-gather         Dk → R    piece·f (output)         (f-1)·n                joins f chunks of dim k
+    reduce-scatter     V  → Dk   piece (input)            (f-1)·n                sums f parts, keeps 1/f of dim k
+    all-to-all         Di → Dj   piece                    (f-1)·n                joins f chunks of i, keeps 1/f of j
+    local-chunk        R  → Dk   -                        0                      keeps 1/f of dim k
+    local-value-split  R  → V    -                        0                      part 0 keeps the value, others zeros
+    local              any → target, when every device already holds its target box: slice, zero-fill
+
+Between groups (disjoint or of another size, e.g. a pipeline stage boundary), and as the last
+step onto the target: each target device fetches its box from holders of the overlapping source
+pieces; value parts it needs more of are summed on arrival, value parts it needs fewer of are
+zero-filled. ``n`` is the most bytes one device sends or receives, ``messages`` the most peers.
+
+    move       1:1   same R·V·D on both sides (or fewer replicas)   holders spread over replicas
+    broadcast  1:k   same V·D, more replicas on the target side      holders spread over replicas
+    scatter    1:k   same V, every target split a multiple of the source split
+    gather     k:1   same V, every source split a multiple of the target split
+    p2p        any   the fallback: the first holder of each overlap sends it (the naive plan)
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, bisect_right
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from heapq import heappop, heappush
+from itertools import product
+from typing import Literal, Protocol
+
+from lightning_nnscaler.ir.tensor import IndexMask, ValueMask
+from lightning_nnscaler.materialize.layouts import (
+    FIRST_DIM_AXIS,
+    REPLICA_AXIS,
+    VALUE_AXIS,
+    Layout,
+    chunk_bounds,
+    regroup_order,
+)
+
+StepKind = Literal[
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "local-chunk", "local-value-split", "local",
+    "move", "broadcast", "scatter", "gather", "p2p",
+]
+COLLECTIVE_KINDS = frozenset({"all-reduce", "all-gather", "reduce-scatter", "all-to-all"})
+LOCAL_KINDS = frozenset({"local-chunk", "local-value-split", "local"})
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One box sent point to point: ``source`` sends its value part ``value`` of ``index`` to ``target``."""
+
+    source: int
+    target: int
+    index: IndexMask
+    value: ValueMask
+
+
+@dataclass(frozen=True)
+class Step:
+    """One transition of the table above, from layout ``before`` to layout ``after``.
+
+    Attributes:
+        kind: The row of the transition table.
+        before: Layout before the step.
+        after: Layout after the step (replicas in ascending device order).
+        dims: Tensor dims involved: ``(k,)`` for all-gather, reduce-scatter, local-chunk;
+            ``(i, j)`` for all-to-all (from dim i to dim j); empty otherwise.
+        group_size: Devices per collective sub-group (1 for local and point-to-point steps).
+        groups: Collectives: the sub-groups (devices) that run at once.
+        bytes_per_device: ``n`` of the cost formulas (see the table).
+        volume: Bytes sent over the wire, summed over devices.
+        messages: Point-to-point steps: the most peers one device sends to or receives from.
+        transfers: Point-to-point steps: every box that moves (filled on the returned path).
+    """
+
+    kind: StepKind
+    before: Layout
+    after: Layout
+    dims: tuple[int, ...] = ()
+    group_size: int = 1
+    groups: tuple[tuple[int, ...], ...] = ()
+    bytes_per_device: int = 0
+    volume: int = 0
+    messages: int = 0
+    transfers: tuple[Transfer, ...] = ()
+
+    def __str__(self) -> str:
+        if self.kind in COLLECTIVE_KINDS:
+            dims = "→".join(f"d{dim}" for dim in self.dims) or "V"
+            return f"{self.kind}({dims}, {len(self.groups)}×{self.group_size})"
+        if self.kind in LOCAL_KINDS:
+            return self.kind + (f"(d{self.dims[0]})" if self.dims else "")
+        return f"{self.kind}({self.messages} msg)"
+
+
+@dataclass(frozen=True)
+class Path:
+    """The planned redistribution: ``steps`` in order, their total ``cost`` and ``volume`` (bytes)."""
+
+    source: Layout
+    target: Layout
+    steps: tuple[Step, ...]
+    cost: float
+    volume: int
+
+    @property
+    def is_fallback(self) -> bool:
+        """Whether the path is the point-to-point fallback."""
+        return any(step.kind == "p2p" for step in self.steps)
+
+    def __str__(self) -> str:
+        return " → ".join(str(step) for step in self.steps) or "no-op"
+
+
+class CostModel(Protocol):
+    """Prices one step (seconds, or any additive unit). Must be hashable: searches are cached per model."""
+
+    def step_cost(self, step: Step) -> float: ...
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """α–β (latency–bandwidth) cost with the ring and pairwise-exchange formulas of collectives.
+
+    Source: R. Thakur, R. Rabenseifner, W. Gropp, "Optimization of Collective Communication
+    Operations in MPICH", IJHPCA 19(1), 2005 — ring all-gather (p-1)α + (p-1)/p·nβ, pairwise
+    reduce-scatter and all-to-all (p-1)α + (p-1)/p·nβ, all-reduce as reduce-scatter + all-gather
+    2(p-1)α + 2(p-1)/p·nβ (reduction compute ignored), point to point α + nβ per message. Every
+    communicating step also pays ``launch`` once: a GPU collective is one kernel launch and one
+    stream synchronization, whatever its group size, which the MPI model has no term for.
+
+    Attributes:
+        alpha: Seconds per message hop; 1 µs is the order of one NVLink/PCIe hop.
+        beta: Seconds per byte; 1/100 GB/s is the order of one GPU's NVLink share.
+        launch: Seconds per communicating step; 10 µs is the order of a launch plus a sync. Without
+            it a chain of small collectives always beats one big ring on latency.
+    """
+
+    alpha: float = 1e-6
+    beta: float = 1 / 100e9
+    launch: float = 1e-5
+
+    def step_cost(self, step: Step) -> float:
+        p, n = step.group_size, step.bytes_per_device
+        if step.kind in LOCAL_KINDS:
+            return 0.0
+        if step.kind == "all-reduce":
+            return self.launch + 2 * (p - 1) * self.alpha + 2 * (p - 1) / p * n * self.beta
+        if step.kind in COLLECTIVE_KINDS:
+            return self.launch + (p - 1) * self.alpha + (p - 1) / p * n * self.beta
+        return self.launch + step.messages * self.alpha + n * self.beta
+
+
+DEFAULT_COST = AlphaBeta()
+STATS = Counter()
+
+
+def search(
+    shape: tuple[int, ...], dtype_bytes: int, source: Layout, target: Layout, cost: CostModel = DEFAULT_COST
+) -> Path:
+    """The cheapest path from ``source`` to ``target`` for a tensor of ``shape`` (cached).
+
+    Args:
+        shape: Full tensor shape; each layout cuts ``len(shape)`` dims.
+        dtype_bytes: Bytes per element.
+        source: Where the tensor is now.
+        target: Where it must be.
+        cost: Prices each step; the same arguments return the same ``Path`` object.
+    """
+    shape = tuple(shape)
+    for name, layout in (("source", source), ("target", target)):
+        if len(layout.dim_splits) != len(shape):
+            raise ValueError(f"{name} layout {layout} cuts {len(layout.dim_splits)} dims; the tensor {shape} has {len(shape)}")
+    return _search(shape, dtype_bytes, source, target, cost)
+
+
+def p2p_path(
+    shape: tuple[int, ...], dtype_bytes: int, source: Layout, target: Layout, cost: CostModel = DEFAULT_COST
+) -> Path:
+    """The fallback: every target box fetched from the first source holder of each overlap."""
+    shape = tuple(shape)
+    step = _exchange_step("p2p", shape, dtype_bytes, source, target.normalized(), spread=False, keep=True)
+    return Path(source, target, (step,), cost.step_cost(step), step.volume)
+
+
+def clear_search_cache() -> None:
+    """Forget every cached search and helper table (to time uncached searches)."""
+    for cached in (_search, _holders, _device_pieces, chunk_bounds, regroup_order):
+        cached.cache_clear()
+
+
+@lru_cache(maxsize=4096)
+def _search(shape: tuple[int, ...], dtype_bytes: int, source: Layout, target: Layout, cost: CostModel) -> Path:
+    if source.normalized() == target.normalized():
+        return Path(source, target, (), 0.0, 0)
+    if not (source.is_even(shape) and target.is_even(shape)):
+        return p2p_path(shape, dtype_bytes, source, target, cost)
+    start, goal = source.normalized(), target.normalized()
+    best: dict[Layout, tuple[float, int]] = {start: (0.0, 0)}
+    parent: dict[Layout, tuple[Layout, Step]] = {}
+    queue, pushed, done = [(0.0, 0, 0, start)], 0, set()
+    while queue:
+        spent, hops, _, layout = heappop(queue)
+        if layout == goal:
+            break
+        if layout in done:
+            continue
+        done.add(layout)
+        STATS['pops'] += 1
+        for step in _edges(shape, dtype_bytes, layout, start, goal):
+            key = (spent + cost.step_cost(step), hops + 1)
+            if step.after not in done and key < best.get(step.after, (math.inf, 0)):
+                best[step.after], parent[step.after] = key, (layout, step)
+                pushed += 1
+                heappush(queue, (*key, pushed, step.after))
+    steps = []
+    layout = goal
+    while layout != start:
+        layout, step = parent[layout]
+        steps.append(step)
+    steps = [_with_transfers(shape, dtype_bytes, step) for step in reversed(steps)]
+    return Path(source, target, tuple(steps), best[goal][0], sum(step.volume for step in steps))
+
+
+def _edges(shape: tuple[int, ...], dtype_bytes: int, layout: Layout, start: Layout, goal: Layout) -> Iterator[Step]:
+    """Every step out of ``layout``: in-group transitions, crossings to the target group, finishes.
+
+    Bounds on the state space: in-group moves into a dim only while its split still divides the
+    target's split (finer splits only get gathered again); a value split only as the last step
+    (partial sums of replicated data add a reduction and nothing else); point-to-point finishes
+    from the source and from same-structure layouts on the target group (to fix device order).
+    """
+    on_target = layout.group == goal.group
+    finish = _local_finish_kind(shape, layout, goal) if on_target else None
+    if finish is not None:
+        yield Step(finish, layout, goal)
+    elif layout == start or (on_target and layout.counts == goal.counts):
+        yield _exchange_step("p2p", shape, dtype_bytes, layout, goal, spread=False, keep=False)
+    yield from _in_group_steps(shape, dtype_bytes, layout, goal.dim_splits)
+    if not on_target:
+        for kind, after in _crossings(shape, layout, goal):
+            yield _exchange_step(kind, shape, dtype_bytes, layout, after, spread=True, keep=False)
+
+
+def _in_group_steps(shape: tuple[int, ...], dtype_bytes: int, layout: Layout, goal_splits: tuple[int, ...]) -> Iterator[Step]:
+    counts = layout.counts
+    piece_bytes = math.prod(shape) // math.prod(layout.dim_splits) * dtype_bytes
+    dim_axes = range(FIRST_DIM_AXIS, len(counts))
+    moves = [(VALUE_AXIS, REPLICA_AXIS, "all-reduce")]
+    moves += [(axis, REPLICA_AXIS, "all-gather") for axis in dim_axes]
+    moves += [(VALUE_AXIS, axis, "reduce-scatter") for axis in dim_axes]
+    moves += [(REPLICA_AXIS, axis, "local-chunk") for axis in dim_axes]
+    moves += [(source, target, "all-to-all") for source in dim_axes for target in dim_axes if source != target]
+    for source_axis, target_axis, kind in moves:
+        for factor in _divisors(counts[source_axis]):
+            if target_axis >= FIRST_DIM_AXIS and goal_splits[target_axis - FIRST_DIM_AXIS] % (counts[target_axis] * factor):
+                continue
+            after, groups = layout.regroup(source_axis, target_axis, factor)
+            dims = tuple(axis - FIRST_DIM_AXIS for axis in (source_axis, target_axis) if axis >= FIRST_DIM_AXIS)
+            if kind in LOCAL_KINDS:
+                yield Step(kind, layout, after.normalized(), dims)
+                continue
+            message = piece_bytes * factor if kind == "all-gather" else piece_bytes
+            per_group = (2 if kind == "all-reduce" else 1) * (factor - 1) * message
+            yield Step(kind, layout, after.normalized(), dims, factor, groups, message, per_group * len(groups))
+
+
+def _crossings(shape: tuple[int, ...], layout: Layout, goal: Layout) -> Iterator[tuple[str, Layout]]:
+    """Layouts on the target group one structured send away: same value split; each dim split as
+    now or as the target's, all finer (scatter) or all coarser (gather) or equal (move, broadcast)."""
+    size, value_parts = len(goal.devices), layout.value_parts
+    for splits in set(product(*({now, wanted} for now, wanted in zip(layout.dim_splits, goal.dim_splits)))):
+        replicas, rest = divmod(size, value_parts * math.prod(splits))
+        if rest or replicas == 0:
+            continue
+        if splits == layout.dim_splits:
+            kind = "move" if replicas <= layout.replicas else "broadcast"
+        elif all(new >= old for new, old in zip(splits, layout.dim_splits)):
+            kind = "scatter"
+        elif all(new <= old for new, old in zip(splits, layout.dim_splits)):
+            kind = "gather"
+        else:
+            continue
+        yield kind, Layout(replicas, value_parts, splits, goal.devices).normalized()
+
+
+def _divisors(number: int, smallest: int = 2) -> list[int]:
+    return [factor for factor in range(smallest, number + 1) if number % factor == 0]
+
+
+def _local_finish_kind(shape: tuple[int, ...], layout: Layout, goal: Layout) -> str | None:
+    """The local step that ends at ``goal`` when every device holds its target box already, else None."""
+    have, want = _device_pieces(layout, shape), _device_pieces(goal, shape)
+    shrinks = splits = False
+    for device, (ranges, part) in want.items():
+        held_ranges, held_part = have[device]
+        if any(start < held_start or stop > held_stop for (start, stop), (held_start, held_stop) in zip(ranges, held_ranges)):
+            return None
+        if layout.value_parts == 1:
+            splits = splits or goal.value_parts > 1
+        elif (layout.value_parts, held_part) != (goal.value_parts, part):
+            return None
+        shrinks = shrinks or ranges != held_ranges
+    return "local" if shrinks and splits else "local-chunk" if shrinks else "local-value-split"
+
+
+@lru_cache(maxsize=4096)
+def _device_pieces(layout: Layout, shape: tuple[int, ...]) -> dict[int, tuple[tuple[tuple[int, int], ...], int]]:
+    """{device: (box ranges, value part)}: ``Layout.piece_of`` for all devices, as plain tuples."""
+    bounds = [chunk_bounds(size, parts) for size, parts in zip(shape, layout.dim_splits)]
+    pieces = {}
+    for position, device in enumerate(layout.devices):
+        ranges = []
+        for dim_bounds in reversed(bounds):
+            position, chunk = divmod(position, len(dim_bounds))
+            ranges.append(dim_bounds[chunk])
+        pieces[device] = (tuple(reversed(ranges)), position % layout.value_parts)
+    return pieces
+
+
+@lru_cache(maxsize=4096)
+def _holders(layout: Layout, shape: tuple[int, ...]) -> dict[tuple[int, tuple[int, ...]], list[int]]:
+    """{(value part, chunk per dim): devices holding that piece, in canonical order}."""
+    holders: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    block = len(layout.devices) // layout.replicas
+    for position, device in enumerate(layout.devices):
+        rest, coordinates = position % block, []
+        for count in reversed(layout.counts[FIRST_DIM_AXIS:]):
+            rest, coordinate = divmod(rest, count)
+            coordinates.append(coordinate)
+        holders.setdefault((rest, tuple(reversed(coordinates))), []).append(device)
+    return holders
+
+
+def _value_sources(held_parts: int, wanted_parts: int, wanted_part: int) -> range:
+    """Source value parts a device holding part ``wanted_part`` of ``wanted_parts`` sums (empty: zeros)."""
+    if held_parts == wanted_parts:
+        return range(wanted_part, wanted_part + 1)
+    if wanted_parts % held_parts == 0:  # finer: part k·m keeps source part k, the others are zeros
+        ratio = wanted_parts // held_parts
+        return range(wanted_part // ratio, wanted_part // ratio + 1) if wanted_part % ratio == 0 else range(0)
+    if held_parts % wanted_parts == 0:  # coarser: sum the source parts it is made of
+        ratio = held_parts // wanted_parts
+        return range(wanted_part * ratio, (wanted_part + 1) * ratio)
+    return range(held_parts) if wanted_part == 0 else range(0)
+
+
+def _exchange_step(
+    kind: str, shape: tuple[int, ...], dtype_bytes: int, before: Layout, after: Layout, *, spread: bool, keep: bool
+) -> Step:
+    """A point-to-point step: each device of ``after`` fetches what it lacks from ``before``'s holders.
+
+    Args:
+        spread: Pick the least-loaded holder of a replicated piece (structured steps) instead of
+            the first one (the naive fallback). A holder that is the receiver itself sends nothing.
+        keep: Record every ``Transfer`` (for the returned path; the search only needs totals).
+    """
+    holders = _holders(before, shape)
+    bounds = [chunk_bounds(size, parts) for size, parts in zip(shape, before.dim_splits)]
+    starts = [[start for start, _ in dim_bounds] for dim_bounds in bounds]
+    sent: Counter[int] = Counter()
+    received: Counter[int] = Counter()
+    peers: set[tuple[int, int]] = set()
+    transfers = []
+    for device, (ranges, part) in _device_pieces(after, shape).items():
+        chunk_ranges = [
+            range(bisect_right(dim_starts, start) - 1, bisect_left(dim_starts, stop))
+            for dim_starts, (start, stop) in zip(starts, ranges)
+        ]
+        for chunks in product(*chunk_ranges):
+            box = tuple(
+                (max(start, dim_bounds[chunk][0]), min(stop, dim_bounds[chunk][1]))
+                for (start, stop), dim_bounds, chunk in zip(ranges, bounds, chunks)
+            )
+            nbytes = math.prod(stop - start for start, stop in box) * dtype_bytes
+            for source_part in _value_sources(before.value_parts, after.value_parts, part):
+                devices = holders[(source_part, chunks)]
+                if device in devices:
+                    continue
+                holder = min(devices, key=sent.__getitem__) if spread else devices[0]
+                sent[holder] += nbytes
+                received[device] += nbytes
+                peers.add((holder, device))
+                if keep:
+                    transfers.append(Transfer(holder, device, IndexMask(box), ValueMask(source_part, before.value_parts)))
+    peer_counts = [*Counter(source for source, _ in peers).values(), *Counter(target for _, target in peers).values()]
+    return Step(
+        kind, before, after,
+        bytes_per_device=max([*sent.values(), *received.values(), 0]),
+        volume=sum(sent.values()),
+        messages=max(peer_counts, default=0),
+        transfers=tuple(transfers),
+    )
+
+
+def _with_transfers(shape: tuple[int, ...], dtype_bytes: int, step: Step) -> Step:
+    """The step as returned: point-to-point steps get their ``transfers`` listed."""
+    if step.kind in COLLECTIVE_KINDS or step.kind in LOCAL_KINDS:
+        return step
+    return _exchange_step(step.kind, shape, dtype_bytes, step.before, step.after, spread=step.kind != "p2p", keep=True)

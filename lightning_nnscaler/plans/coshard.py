@@ -1,0 +1,30 @@
+"""Co-shard (nnScaler, Lin et al. OSDI 2024): tensor parallelism cut finer than the devices, one
+shard at a time, each shard recomputed in backward, so only one shard's activations are alive."""
+
+from __future__ import annotations
+
+from lightning_nnscaler.ir.graph import Graph
+from lightning_nnscaler.plans.context import PlanContext
+from lightning_nnscaler.plans.megatron_tp import tensor_parallel
+from lightning_nnscaler.plans.propagate import place
+from lightning_nnscaler.plans.recompute import op_recompute
+
+
+def coshard(graph: Graph, ctx: PlanContext, *, shards: int = 4, recompute: bool = True) -> None:
+    """Megatron splits (attention heads, FFN hidden) into ``shards × world_size`` pieces,
+    ``shards`` consecutive pieces per device.
+
+    With ``recompute``, each shard of each split stretch (an attention block, an MLP) is its own
+    recompute group: group ``stretch * pieces + piece`` — distinct per (device, shard) — so a
+    device keeps no shard's activations after forward and recomputes them one shard at a time.
+    """
+    if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+        raise ValueError(f"coshard: shards must be a positive int, got {shards!r}")
+    parts = shards * ctx.world_size
+    walk = tensor_parallel(graph, parts)
+    place(graph, walk, range(ctx.world_size))  # piece j -> device j // shards
+    if recompute:
+        for stretch, run in enumerate(walk.runs()):
+            for pieces in run:
+                for index, piece in enumerate(pieces):
+                    op_recompute(graph, piece, stretch * parts + index)

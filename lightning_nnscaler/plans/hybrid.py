@@ -1,0 +1,24 @@
+"""Data × tensor parallelism: Megatron tensor parallelism inside each data-parallel replica."""
+
+from __future__ import annotations
+
+from lightning_nnscaler.ir.graph import Graph
+from lightning_nnscaler.plans.context import PlanContext
+from lightning_nnscaler.plans.dp import split_batch
+from lightning_nnscaler.plans.megatron_tp import megatron_choice, tensor_parallel
+from lightning_nnscaler.plans.propagate import place
+
+
+def hybrid(graph: Graph, ctx: PlanContext, *, dp: int, tp: int) -> None:
+    """Split the batch into ``dp`` replicas, then each replica's ops Megatron-style into ``tp`` pieces.
+
+    Devices form a ``dp × tp`` grid: piece ``t`` of replica ``r`` runs on device ``r * tp + t``, so
+    each tensor-parallel group is ``tp`` consecutive ranks (the fast links inside a node).
+    """
+    if dp < 1 or tp < 1 or dp * tp != ctx.world_size:
+        raise ValueError(f"hybrid: dp ({dp}) × tp ({tp}) = {dp * tp} must equal world_size ({ctx.world_size})")
+    choose = megatron_choice(graph)  # on the whole graph, before the batch split renames its ops
+    replicas = split_batch(graph, dp)  # every op as dp pieces
+    for replica in range(dp):
+        region = [pieces[replica].name for pieces in replicas]
+        place(graph, tensor_parallel(graph, tp, region, choose), range(replica * tp, (replica + 1) * tp))

@@ -1,0 +1,69 @@
+"""Megatron-LM tensor parallelism (Shoeybi et al. 2019): column-split a linear, row-split the next one.
+
+A linear whose input arrives whole is split by its output features ``n`` (column parallel). The split
+flows through elementwise ops, head views ``(c d)``, transposes and attention (heads ``h``) until
+it reaches the next linear on its reduction dim ``k``: that one is split by rows, its outputs are
+partial sums (its bias is value-split, so it is added once) and the walk stops there; the
+materialization adds the all-reduce. Everything else (embeddings, LayerNorms, residual adds) is
+replicated. The final linears (LM head, classifier: no linear downstream) are left whole rather
+than split by vocabulary, since the cross-entropy after them needs whole logits anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lightning_nnscaler.ir.graph import Graph
+from lightning_nnscaler.ir.op import Op
+from lightning_nnscaler.plans.context import PlanContext
+from lightning_nnscaler.plans.propagate import Choose, Walk, place, propagate
+
+LINEAR = "aten.linear.default"
+
+
+def tp(graph: Graph, ctx: PlanContext, *, degree: int | None = None) -> None:
+    """Megatron tensor parallelism over ``degree`` devices (default: all of them).
+
+    A ``degree`` below ``world_size`` makes ``world_size // degree`` data-parallel replicas of the
+    tensor-parallel group: the same plan as ``hybrid(dp=world_size // degree, tp=degree)``.
+    """
+    degree = ctx.world_size if degree is None else degree
+    if not isinstance(degree, int) or degree < 1 or ctx.world_size % degree:
+        raise ValueError(f"tp: degree ({degree!r}) must be a positive divisor of world_size ({ctx.world_size})")
+    if degree < ctx.world_size:
+        from lightning_nnscaler.plans.hybrid import hybrid  # hybrid imports this module
+
+        hybrid(graph, ctx, dp=ctx.world_size // degree, tp=degree)
+        return
+    place(graph, tensor_parallel(graph, degree), range(degree))
+
+
+def tensor_parallel(graph: Graph, parts: int, ops: Sequence[str] | None = None, choose: Choose | None = None) -> Walk:
+    """Split ``ops`` (default: all) the Megatron way into ``parts`` pieces; nothing is placed."""
+    return propagate(graph, parts, ops=ops, choose=choose or megatron_choice(graph))
+
+
+def megatron_choice(graph: Graph) -> Choose:
+    """The split rule: linears by rows when their input arrives split on ``k``, else by columns;
+    other ops follow the split that reaches them. Final linears only follow."""
+    final = final_linears(graph)
+
+    def choose(op: Op, offered: list[str]) -> str | None:
+        if op.target == LINEAR and op.source_name not in final:
+            return "k" if "k" in offered else "n"
+        return offered[0] if offered else None
+
+    return choose
+
+
+def final_linears(graph: Graph) -> set[str]:
+    """Source names of the linears that no other linear reads from, directly or through other ops."""
+    feeds_linear: set[str] = set()  # tensors some linear reads, directly or through other ops
+    final: set[str] = set()
+    for op in reversed(graph.ops):
+        downstream = any(output.name in feeds_linear for output in op.outputs)
+        if op.target == LINEAR and not downstream:
+            final.add(op.source_name)
+        if downstream or op.target == LINEAR:
+            feeds_linear.update(piece.name for piece in op.tensor_inputs)
+    return final

@@ -1,0 +1,37 @@
+"""Megatron sequence parallelism (Korthikanti et al. 2022): tensor parallelism, plus the ops it would
+replicate between the linears (LayerNorm, dropout, residual adds) split along the sequence instead."""
+
+from __future__ import annotations
+
+from lightning_nnscaler.ir.graph import Graph
+from lightning_nnscaler.ir.op import Op
+from lightning_nnscaler.plans.context import PlanContext
+from lightning_nnscaler.plans.megatron_tp import megatron_choice, tensor_parallel
+from lightning_nnscaler.plans.propagate import place
+
+
+def sp(graph: Graph, ctx: PlanContext) -> None:
+    """`tp` over all devices; every op it leaves whole with an output ``(B, T, ...)`` is split along T.
+
+    T is recognised by shape: dim 1 of a user input (token ids ``(B, T)``). The sequence split then
+    flows like any other until a linear column-splits (the materialization all-gathers its input)
+    or a row-split linear's partial sums meet a sequence-split op (a reduce-scatter).
+    """
+    lengths = {tensor.shape[1] for tensor in graph.user_inputs if tensor.rank >= 2}
+    megatron = megatron_choice(graph)
+
+    def choose(op: Op, offered: list[str]) -> str | None:
+        return megatron(op, offered) or sequence_name(op, lengths)
+
+    place(graph, tensor_parallel(graph, ctx.world_size, choose=choose), range(ctx.world_size))
+
+
+def sequence_name(op: Op, lengths: set[int]) -> str | None:
+    """The annotation name of dim 1 of the op's first output shaped ``(B, T, ...)``, T in ``lengths``."""
+    annotation = op.dims
+    if annotation is None:
+        return None
+    for output, spec in zip(op.outputs, annotation.outputs):
+        if len(output.shape) >= 3 and output.shape[1] in lengths and spec[1].names:
+            return spec[1].names[0]
+    return None

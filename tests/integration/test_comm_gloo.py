@@ -1,0 +1,258 @@
+"""TorchDistributedCommunicator over real gloo processes (2 and 4 ranks).
+
+Each scenario runs on every rank of a fresh process group and returns tensors; the same scenario
+run on the in-memory world (whose values and gradients the unit tests check against single-process
+references) must give the same results. Failure scenarios check that a dead or silent peer raises
+CommunicationError within the timeout instead of hanging.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_nnscaler.runtime import CommunicationError, MissingGroupError, TorchDistributedCommunicator, run_ranks
+from lightning_nnscaler.runtime import autograd_comm as ac
+
+SHAPE = (4, 6)  # dim 0 splits into 2 or 4 chunks
+COMMUNICATION_TIMEOUT = 5.0  # seconds; the failure scenarios use shorter ones
+KILLED_EXIT_CODE = 17
+
+# forkserver: children fork from a clean server that imported torch once (a spawned child would pay
+# ~3 s importing it), and no child inherits threads from the pytest process.
+CONTEXT = multiprocessing.get_context("forkserver")
+CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "lightning_nnscaler.runtime"])
+
+
+def rank_input(rank: int) -> torch.Tensor:
+    return torch.randn(SHAPE, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + rank))
+
+
+def pairs(world_size: int) -> list[tuple[int, ...]]:
+    return [(rank, rank + 1) for rank in range(0, world_size, 2)]
+
+
+def pair_of(rank: int) -> tuple[int, ...]:
+    return (rank - rank % 2, rank - rank % 2 + 1)
+
+
+def collectives_scenario(comm) -> dict:
+    """Forward values of every op over the world, a subgroup and a p2p ring."""
+    everyone, rank, n = tuple(range(comm.world_size)), comm.rank, comm.world_size
+    comm.create_groups([everyone, *pairs(n)])
+    x = rank_input(rank)
+    comm.send(x * 10, (rank + 1) % n, tag=0)
+    results = {
+        "all_reduce": comm.all_reduce(x, everyone),
+        "all_reduce_pair": comm.all_reduce(x, pair_of(rank)),
+        "all_gather": comm.all_gather(x, 1, everyone),
+        "all_gather_pair": comm.all_gather(x, 0, pair_of(rank)),
+        "reduce_scatter": comm.reduce_scatter(x, 0, everyone),
+        "all_to_all": comm.all_to_all(x, 0, 1, everyone),
+        "broadcast": comm.broadcast(x if rank == n - 1 else None, n - 1, everyone, SHAPE, torch.float64),
+        "broadcast_pair": comm.broadcast(x if rank % 2 else None, pair_of(rank)[1], pair_of(rank), SHAPE, torch.float64),
+        "ring": comm.recv(SHAPE, torch.float64, (rank - 1) % n, tag=0),
+        "integers": comm.all_gather(torch.arange(3) * rank, 0, everyone),
+    }
+    comm.wait_sends()
+    comm.barrier()
+    return results
+
+
+def autograd_scenario(comm) -> dict:
+    """Every autograd op consumes one input; one loss weights every output; returns the outputs and x's gradient."""
+    everyone, rank, n = tuple(range(comm.world_size)), comm.rank, comm.world_size
+    comm.create_groups(pairs(n))
+    x = rank_input(rank).requires_grad_(True)
+    token = ac.new_token()
+    outputs = {}
+    outputs["all_reduce"], token = ac.all_reduce(token, x, everyone, comm)
+    outputs["all_reduce_pair"], token = ac.all_reduce(token, x.sin(), pair_of(rank), comm)
+    outputs["all_gather"], token = ac.all_gather(token, x * x, 1, everyone, comm)
+    outputs["reduce_scatter"], token = ac.reduce_scatter(token, x.exp(), 0, everyone, comm)
+    outputs["all_to_all"], token = ac.all_to_all(token, x * (rank + 1), 0, 1, everyone, comm)
+    source_value = x.cos() if rank == 1 else None
+    outputs["broadcast"], token = ac.broadcast(token, source_value, 1, everyone, SHAPE, torch.float64, comm)
+    token = ac.send(token, x.tanh(), (rank + 1) % n, 1, comm)
+    token = ac.send(token, torch.arange(6).roll(rank), (rank + 1) % n, 2, comm)
+    outputs["ring"], token = ac.recv(token, SHAPE, torch.float64, (rank - 1) % n, 1, comm)
+    permutation, token = ac.recv(token, (6,), torch.int64, (rank - 1) % n, 2, comm)
+    outputs["permuted"] = outputs["ring"][:, permutation] * outputs["broadcast"]
+    generator = torch.Generator().manual_seed(rank)
+    loss = sum((y * torch.randn(y.shape, dtype=y.dtype, generator=generator)).sum() for y in outputs.values())
+    ac.backward(token, [loss])
+    comm.wait_sends()
+    comm.barrier()
+    return {"gradient": x.grad, **{name: y.detach() for name, y in outputs.items()}}
+
+
+def group_errors_scenario(comm) -> dict:
+    """A group that was not created upfront, and ranks that pass different tuples to create_groups."""
+    messages = {}
+    try:
+        comm.all_reduce(torch.ones(1), pair_of(comm.rank))
+    except MissingGroupError as error:
+        messages["missing"] = str(error)
+    try:
+        comm.create_groups([(0, 1)] if comm.rank == 0 else [(0, 1), (2, 3)])
+    except ValueError as error:
+        messages["mismatch"] = str(error)
+    comm.barrier()  # the failed create_groups left every rank in step
+    return messages
+
+
+def killed_peer_scenario(comm) -> dict:
+    """The last rank dies after one collective; the others block on it (p2p and a collective)."""
+    comm.all_reduce(torch.ones(2), tuple(range(comm.world_size)))
+    if comm.rank == comm.world_size - 1:
+        os._exit(KILLED_EXIT_CODE)
+    start = time.monotonic()
+    try:
+        if comm.rank == 0:
+            comm.recv((2,), torch.float32, comm.world_size - 1, tag=0)
+        else:
+            comm.all_reduce(torch.ones(2), tuple(range(comm.world_size)))
+    except CommunicationError as error:
+        return {"error": str(error), "elapsed": time.monotonic() - start}
+    return {"error": None}
+
+
+def silent_peer_scenario(comm) -> dict:
+    """Rank 0 waits for a message rank 1 never sends."""
+    start = time.monotonic()
+    if comm.rank == 1:
+        time.sleep(3 * comm.timeout)  # alive but silent
+        os._exit(0)
+    try:
+        comm.recv((2,), torch.float32, 1, tag=3)
+    except CommunicationError as error:
+        return {"error": str(error), "elapsed": time.monotonic() - start}
+    return {"error": None}
+
+
+SCENARIOS = {
+    "collectives": (collectives_scenario, COMMUNICATION_TIMEOUT),
+    "autograd": (autograd_scenario, COMMUNICATION_TIMEOUT),
+    "group_errors": (group_errors_scenario, COMMUNICATION_TIMEOUT),
+    "killed_peer": (killed_peer_scenario, 3.0),
+    "silent_peer": (silent_peer_scenario, 1.0),
+}
+
+
+def _worker(rank: int, world_size: int, port: int, scenario: str, out_dir: str) -> None:
+    """One process: join the group, run the scenario, save its result (or the traceback), exit."""
+    torch.set_num_threads(1)  # 4 ranks share 2 cores in CI
+    program, timeout = SCENARIOS[scenario]
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=20)
+        )
+        torch.save(program(TorchDistributedCommunicator(timeout)), Path(out_dir, f"rank{rank}.pt"))
+    except BaseException:
+        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
+        os._exit(1)
+    # Skip interpreter teardown: a group whose peer died must not be waited on at exit.
+    os._exit(0)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    exitcode: int | None
+    result: dict | None
+    error: str | None
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(world_size: int, scenario: str, out_dir: Path, deadline_s: float = 45.0) -> tuple[list[Outcome], float]:
+    """Run ``scenario`` on ``world_size`` gloo processes; return each rank's outcome and the elapsed seconds."""
+    port, start = free_port(), time.monotonic()
+    processes = [
+        CONTEXT.Process(target=_worker, args=(rank, world_size, port, scenario, str(out_dir)), daemon=True)
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(max(0.0, start + deadline_s - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()  # a hung rank: reported through its exit code below
+            process.join()
+    elapsed = time.monotonic() - start
+    outcomes = []
+    for rank, process in enumerate(processes):
+        result_path, error_path = out_dir / f"rank{rank}.pt", out_dir / f"rank{rank}.err"
+        result = torch.load(result_path) if result_path.exists() else None
+        outcomes.append(Outcome(process.exitcode, result, error_path.read_text() if error_path.exists() else None))
+    return outcomes, elapsed
+
+
+def assert_succeeded(outcomes: list[Outcome]) -> None:
+    failures = [f"rank {rank}: exit code {o.exitcode}\n{o.error}" for rank, o in enumerate(outcomes) if o.exitcode != 0]
+    assert not failures, "\n".join(failures)
+
+
+def assert_same_results(actual: dict, expected: dict, rank: int) -> None:
+    assert actual.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, msg=f"{name} on rank {rank}")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("scenario", ["collectives", "autograd"])
+def test_gloo_gives_the_in_memory_worlds_values_and_gradients(scenario, world_size, tmp_path):
+    outcomes, _ = launch(world_size, scenario, tmp_path)
+    assert_succeeded(outcomes)
+    program, _ = SCENARIOS[scenario]
+    expected = run_ranks(world_size, program, timeout=COMMUNICATION_TIMEOUT)
+    for rank, outcome in enumerate(outcomes):
+        assert_same_results(outcome.result, expected[rank], rank)
+    sums = [outcome.result["all_reduce"] for outcome in outcomes]
+    assert all(torch.equal(total, sums[0]) for total in sums), "all_reduce differs bitwise between ranks"
+
+
+@pytest.mark.timeout(60)
+def test_group_errors_name_the_fix_on_every_rank(tmp_path):
+    outcomes, _ = launch(4, "group_errors", tmp_path)
+    assert_succeeded(outcomes)
+    for outcome in outcomes:
+        assert "create_groups(...) on every rank" in outcome.result["missing"]
+        assert "same rank tuples on every rank" in outcome.result["mismatch"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_killed_rank_makes_the_others_raise_instead_of_hang(world_size, tmp_path):
+    outcomes, elapsed = launch(world_size, "killed_peer", tmp_path)
+    assert elapsed < 60
+    assert outcomes[-1].exitcode == KILLED_EXIT_CODE
+    assert_succeeded(outcomes[:-1])
+    for outcome in outcomes[:-1]:
+        assert outcome.result["error"] is not None, "a survivor's wait on the dead rank returned normally"
+        assert outcome.result["elapsed"] < SCENARIOS["killed_peer"][1] + 5
+    assert f"recv from rank {world_size - 1} with tag 0" in outcomes[0].result["error"]
+
+
+@pytest.mark.timeout(60)
+def test_a_silent_peer_times_out_naming_op_peer_tag_and_timeout(tmp_path):
+    outcomes, _ = launch(2, "silent_peer", tmp_path)
+    assert_succeeded(outcomes)
+    result = outcomes[0].result
+    assert "rank 0: recv from rank 1 with tag 3 failed or did not complete within 1.0 s" in result["error"]
+    assert 0.9 < result["elapsed"] < 5

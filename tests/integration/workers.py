@@ -1,0 +1,70 @@
+"""Per-rank entry points for the multi-process tests (module-level so spawned processes import them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import lightning_nnscaler as lnn
+from lightning_nnscaler.codegen import module_from_source
+from lightning_nnscaler.runtime import TorchDistributedCommunicator
+from lightning_nnscaler.runtime.executor import RankExecutor
+
+STEPS = 10
+LEARNING_RATE = 1e-3
+
+
+def build_model(name: str) -> tuple[torch.nn.Module, int]:
+    """A reference model (same seed, same weights on every rank) and its batch size."""
+    from lightning_nnscaler.models.gpt import GPT, GPTConfig
+    from lightning_nnscaler.models.swin import Swin, SwinConfig
+
+    torch.manual_seed(0)
+    if name == "gpt":
+        return GPT(GPTConfig.small()), 4
+    if name == "swin":
+        return Swin(SwinConfig.small()), 4
+    raise ValueError(f"unknown model {name!r}")
+
+
+def batches(model: Any, batch_size: int, steps: int = STEPS) -> list[Any]:
+    """Deterministic batches, one per step."""
+    return [model.example_batch(batch_size, torch.Generator().manual_seed(step)) for step in range(steps)]
+
+
+def single_device_run(model_name: str, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Eager training with AdamW: per-step losses and the final parameters."""
+    model, batch_size = build_model(model_name)
+    model.log = lambda *args, **kwargs: None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    losses = []
+    for batch in batches(model, batch_size, steps):
+        optimizer.zero_grad()
+        loss = model.training_step(batch, 0)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    return losses, {key: value.detach().clone() for key, value in model.named_parameters()}
+
+
+def train_recipes(rank: int, world_size: int, model_name: str, recipes: list[tuple[str, dict]], steps: int = STEPS) -> dict[str, Any]:
+    """For each recipe: plan (every rank plans alike), then train ``steps`` AdamW steps on real processes."""
+    results = {}
+    for recipe, params in recipes:
+        model, batch_size = build_model(model_name)
+        data = batches(model, batch_size, steps)
+        plan = lnn.parallelize(model, data[0], recipe, world_size, step="training_step", **params)
+        state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        module = module_from_source(plan.sources[rank], f"rank{rank}")
+        executor = RankExecutor(module, rank, state, plan.graph.constant_values, TorchDistributedCommunicator(timeout=60))
+        optimizer = torch.optim.AdamW(executor.parameters(), lr=LEARNING_RATE)
+        losses = []
+        for batch in data:
+            optimizer.zero_grad()
+            inputs = {tensor.name: value for tensor, value in zip(plan.graph.user_inputs, lnn.flatten_inputs(batch, step="training_step"))}
+            losses.append(float(executor.forward_backward(inputs)))
+            optimizer.step()
+        shards = [(shard.state_key, shard.box, shard.tensor.detach().clone()) for shard in executor.shards.values()]
+        results[recipe] = {"losses": losses, "shards": shards}
+    return results
