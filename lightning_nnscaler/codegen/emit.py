@@ -51,6 +51,8 @@ def emit_rank(program: Program, rank: int, plan_hash: str, label: str, zero_stag
     """The source of rank ``rank``'s module; ``zero_stage`` is the plan's ZeRO option for replicated boxes."""
     rank_program = program.ranks[rank]
     lines = [HEADER.format(rank=rank, world_size=program.world_size, plan_hash=plan_hash, label=label)]
+    lines.append(f"RANK = {rank}")
+    lines.append(f"WORLD_SIZE = {program.world_size}")
     lines.append("HELD = {  # variable: (graph tensor, state_dict key, box, role)")
     for local in rank_program.inputs:
         lines.append(f"    {local.var!r}: ({local.name!r}, {local.state_key!r}, {local.box!r}, {local.role!r}),")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import re
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -85,17 +85,72 @@ def regroup_order(
     new_counts = list(counts)
     new_counts[source_axis] //= factor
     new_counts[target_axis] *= factor
+    strides = [math.prod(counts[axis + 1 :]) for axis in range(len(counts))]
     order, groups = [], {}
     for new_coordinates in product(*(range(count) for count in new_counts)):
-        coordinates = list(new_coordinates)
         outer, inner = divmod(new_coordinates[target_axis], factor)
-        coordinates[target_axis] = outer
-        coordinates[source_axis] = new_coordinates[source_axis] * factor + inner
-        old_position = row_major(coordinates, counts)
+        old_position = (
+            sum(coordinate * stride for coordinate, stride in zip(new_coordinates, strides))
+            + (outer - new_coordinates[target_axis]) * strides[target_axis]
+            + (new_coordinates[source_axis] * (factor - 1) + inner) * strides[source_axis]
+        )
         order.append(old_position)
-        coordinates[source_axis] //= factor  # the sub-group key: all but the inner part
-        groups.setdefault(tuple(coordinates), []).append(old_position)
+        # The sub-group: devices with the same new coordinates except the inner part of the target axis.
+        key = new_coordinates[:target_axis] + (outer,) + new_coordinates[target_axis + 1 :]
+        groups.setdefault(key, []).append(old_position)
     return tuple(new_counts), tuple(order), tuple(tuple(group) for group in groups.values())
+
+
+@lru_cache(maxsize=4096)
+def chunk_overlaps(size: int, have_parts: int, want_parts: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """For each of ``want_parts`` chunks of a dim: the ``(have chunk, start, stop)`` it overlaps among ``have_parts``."""
+    have, want = chunk_bounds(size, have_parts), chunk_bounds(size, want_parts)
+    starts = [start for start, _ in have]
+    return tuple(
+        tuple(
+            (chunk, max(start, have[chunk][0]), min(stop, have[chunk][1]))
+            for chunk in range(bisect_right(starts, start) - 1, bisect_left(starts, stop))
+        )
+        for start, stop in want
+    )
+
+
+@lru_cache(maxsize=4096)
+def device_chunks(layout: Layout) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+    """``(device, value part, chunk per dim)`` for every device, in canonical order."""
+    entries = []
+    for position, device in enumerate(layout.devices):
+        chunks = []
+        for count in reversed(layout.dim_splits):
+            position, chunk = divmod(position, count)
+            chunks.append(chunk)
+        entries.append((device, position % layout.value_parts, tuple(reversed(chunks))))
+    return tuple(entries)
+
+
+@lru_cache(maxsize=4096)
+def piece_holders(layout: Layout) -> dict[tuple[int, tuple[int, ...]], tuple[int, ...]]:
+    """{(value part, chunk per dim): the devices holding that piece, replica 0 first}."""
+    holders: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for device, part, chunks in device_chunks(layout):
+        holders.setdefault((part, chunks), []).append(device)
+    return {piece: tuple(devices) for piece, devices in holders.items()}
+
+
+def value_sources(have_parts: int, want_parts: int, want_part: int) -> range:
+    """The held value parts that sum to part ``want_part`` of ``want_parts`` (empty: it is zeros).
+
+    Finer parts (``want_parts = m·have_parts``) follow ``ValueMask.split``: part ``k·m`` keeps
+    held part ``k``, the other ``m - 1`` are zeros. Coarser parts sum the held parts they are made
+    of. Otherwise part 0 sums all held parts and the others are zeros.
+    """
+    if want_parts % have_parts == 0:
+        ratio = want_parts // have_parts
+        return range(want_part // ratio, want_part // ratio + 1) if want_part % ratio == 0 else range(0)
+    if have_parts % want_parts == 0:
+        ratio = have_parts // want_parts
+        return range(want_part * ratio, (want_part + 1) * ratio)
+    return range(have_parts) if want_part == 0 else range(0)
 
 
 @dataclass(frozen=True)

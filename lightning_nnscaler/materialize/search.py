@@ -35,11 +35,10 @@ zero-filled. ``n`` is the most bytes one device sends or receives, ``messages`` 
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, bisect_right
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from heapq import heappop, heappush
 from itertools import product
 from typing import Literal, Protocol
@@ -51,7 +50,11 @@ from lightning_nnscaler.materialize.layouts import (
     VALUE_AXIS,
     Layout,
     chunk_bounds,
+    chunk_overlaps,
+    device_chunks,
+    piece_holders,
     regroup_order,
+    value_sources,
 )
 
 StepKind = Literal[
@@ -80,26 +83,35 @@ class Step:
         kind: The row of the transition table.
         before: Layout before the step.
         after: Layout after the step (replicas in ascending device order).
+        shape: Full shape of the tensor the byte counts refer to.
+        dtype_bytes: Bytes per element.
         dims: Tensor dims involved: ``(k,)`` for all-gather, reduce-scatter, local-chunk;
             ``(i, j)`` for all-to-all (from dim i to dim j); empty otherwise.
         group_size: Devices per collective sub-group (1 for local and point-to-point steps).
-        groups: Collectives: the sub-groups (devices) that run at once.
+        groups: Collectives: the sub-groups (devices) that run at once, members in chunk order.
         bytes_per_device: ``n`` of the cost formulas (see the table).
         volume: Bytes sent over the wire, summed over devices.
         messages: Point-to-point steps: the most peers one device sends to or receives from.
-        transfers: Point-to-point steps: every box that moves (filled on the returned path).
     """
 
     kind: StepKind
     before: Layout
     after: Layout
+    shape: tuple[int, ...]
+    dtype_bytes: int
     dims: tuple[int, ...] = ()
     group_size: int = 1
     groups: tuple[tuple[int, ...], ...] = ()
     bytes_per_device: int = 0
     volume: int = 0
     messages: int = 0
-    transfers: tuple[Transfer, ...] = ()
+
+    @cached_property
+    def transfers(self) -> tuple[Transfer, ...]:
+        """Point-to-point steps: every box that moves (computed on first use); empty otherwise."""
+        if self.kind in COLLECTIVE_KINDS or self.kind in LOCAL_KINDS:
+            return ()
+        return _exchange(self.kind, self.shape, self.dtype_bytes, self.before, self.after, keep=True)[1]
 
     def __str__(self) -> str:
         if self.kind in COLLECTIVE_KINDS:
@@ -169,7 +181,6 @@ class AlphaBeta:
 
 
 DEFAULT_COST = AlphaBeta()
-STATS = Counter()
 
 
 def search(
@@ -195,71 +206,91 @@ def p2p_path(
     shape: tuple[int, ...], dtype_bytes: int, source: Layout, target: Layout, cost: CostModel = DEFAULT_COST
 ) -> Path:
     """The fallback: every target box fetched from the first source holder of each overlap."""
-    shape = tuple(shape)
-    step = _exchange_step("p2p", shape, dtype_bytes, source, target.normalized(), spread=False, keep=True)
+    step = _exchange_step("p2p", tuple(shape), dtype_bytes, source.normalized(), target.normalized())
     return Path(source, target, (step,), cost.step_cost(step), step.volume)
 
 
 def clear_search_cache() -> None:
     """Forget every cached search and helper table (to time uncached searches)."""
-    for cached in (_search, _holders, _device_pieces, chunk_bounds, regroup_order):
+    for cached in (_search, _device_pieces, chunk_bounds, chunk_overlaps, device_chunks, piece_holders, regroup_order):
         cached.cache_clear()
 
 
 @lru_cache(maxsize=4096)
 def _search(shape: tuple[int, ...], dtype_bytes: int, source: Layout, target: Layout, cost: CostModel) -> Path:
-    if source.normalized() == target.normalized():
-        return Path(source, target, (), 0.0, 0)
-    if not (source.is_even(shape) and target.is_even(shape)):
-        return p2p_path(shape, dtype_bytes, source, target, cost)
+    """Dijkstra over layouts; a path may put at most as many bytes on the wire as the fallback."""
     start, goal = source.normalized(), target.normalized()
-    best: dict[Layout, tuple[float, int]] = {start: (0.0, 0)}
+    if start == goal:
+        return Path(source, target, (), 0.0, 0)
+    fallback = _exchange_step("p2p", shape, dtype_bytes, start, goal)
+    if not (source.is_even(shape) and target.is_even(shape)):
+        return Path(source, target, (fallback,), cost.step_cost(fallback), fallback.volume)
+    # label: (cost, point-to-point steps, steps, volume); ties go to fewer point-to-point steps
+    # (collectives are the tuned primitives), then to fewer steps.
+    best: dict[Layout, tuple[float, int, int, int]] = {start: (0.0, 0, 0, 0)}
     parent: dict[Layout, tuple[Layout, Step]] = {}
-    queue, pushed, done = [(0.0, 0, 0, start)], 0, set()
+    queue, pushed, done = [(*best[start], 0, start)], 0, set()
     while queue:
-        spent, hops, _, layout = heappop(queue)
+        *label, _, layout = heappop(queue)
         if layout == goal:
             break
         if layout in done:
             continue
         done.add(layout)
-        STATS['pops'] += 1
-        for step in _edges(shape, dtype_bytes, layout, start, goal):
-            key = (spent + cost.step_cost(step), hops + 1)
-            if step.after not in done and key < best.get(step.after, (math.inf, 0)):
+        spent, fallbacks, hops, volume = label
+        for step in _edges(shape, dtype_bytes, layout, start, goal, fallback, fallback.volume - volume):
+            if step.after in done or volume + step.volume > fallback.volume:
+                continue
+            key = (spent + cost.step_cost(step), fallbacks + (step.kind == "p2p"), hops + 1, volume + step.volume)
+            if key < best.get(step.after, (math.inf, 0, 0, 0)):
                 best[step.after], parent[step.after] = key, (layout, step)
                 pushed += 1
                 heappush(queue, (*key, pushed, step.after))
-    steps = []
-    layout = goal
+    steps, layout = [], goal
     while layout != start:
         layout, step = parent[layout]
         steps.append(step)
-    steps = [_with_transfers(shape, dtype_bytes, step) for step in reversed(steps)]
-    return Path(source, target, tuple(steps), best[goal][0], sum(step.volume for step in steps))
+    steps.reverse()
+    return Path(source, target, tuple(steps), sum(map(cost.step_cost, steps)), sum(step.volume for step in steps))
 
 
-def _edges(shape: tuple[int, ...], dtype_bytes: int, layout: Layout, start: Layout, goal: Layout) -> Iterator[Step]:
-    """Every step out of ``layout``: in-group transitions, crossings to the target group, finishes.
+def _edges(
+    shape: tuple[int, ...], dtype_bytes: int, layout: Layout, start: Layout, goal: Layout, fallback: Step, budget: int
+) -> Iterator[Step]:
+    """Every step out of ``layout`` that may fit in ``budget`` more bytes on the wire.
 
-    Bounds on the state space: in-group moves into a dim only while its split still divides the
-    target's split (finer splits only get gathered again); a value split only as the last step
-    (partial sums of replicated data add a reduction and nothing else); point-to-point finishes
-    from the source and from same-structure layouts on the target group (to fix device order).
+    Bounds on the state space (besides even splits and counts that divide the group size): no
+    move undoes a count the target keeps or goes beyond the target's count (a finer split is
+    only gathered again); a value split only as the last step (partial sums of replicated data
+    add a reduction and nothing else); partial sums are summed before they cross groups;
+    point-to-point finishes come from the source and from layouts on the target group with the
+    target's counts (to fix the device order).
     """
     on_target = layout.group == goal.group
     finish = _local_finish_kind(shape, layout, goal) if on_target else None
     if finish is not None:
-        yield Step(finish, layout, goal)
-    elif layout == start or (on_target and layout.counts == goal.counts):
-        yield _exchange_step("p2p", shape, dtype_bytes, layout, goal, spread=False, keep=False)
-    yield from _in_group_steps(shape, dtype_bytes, layout, goal.dim_splits)
+        yield Step(finish, layout, goal, shape, dtype_bytes)
+    elif layout == start:
+        yield fallback
+    elif on_target and layout.counts == goal.counts:
+        yield _exchange_step("p2p", shape, dtype_bytes, layout, goal)
+    yield from _in_group_steps(shape, dtype_bytes, layout, goal.counts)
     if not on_target:
+        disjoint = layout.group.isdisjoint(goal.group)
         for kind, after in _crossings(shape, layout, goal):
-            yield _exchange_step(kind, shape, dtype_bytes, layout, after, spread=True, keep=False)
+            if disjoint and _fetched_bytes(shape, dtype_bytes, layout, after) > budget:
+                continue  # every fetched byte crosses: the exact volume, known without the exchange
+            yield _exchange_step(kind, shape, dtype_bytes, layout, after)
 
 
-def _in_group_steps(shape: tuple[int, ...], dtype_bytes: int, layout: Layout, goal_splits: tuple[int, ...]) -> Iterator[Step]:
+def _fetched_bytes(shape: tuple[int, ...], dtype_bytes: int, before: Layout, after: Layout) -> int:
+    """Bytes the devices of ``after`` fetch from ``before`` when none of them holds any (even layouts)."""
+    piece_bytes = math.prod(shape) // math.prod(after.dim_splits) * dtype_bytes
+    parts = sum(len(value_sources(before.value_parts, after.value_parts, part)) for part in range(after.value_parts))
+    return piece_bytes * parts * after.replicas * math.prod(after.dim_splits)
+
+
+def _in_group_steps(shape: tuple[int, ...], dtype_bytes: int, layout: Layout, goal_counts: tuple[int, ...]) -> Iterator[Step]:
     counts = layout.counts
     piece_bytes = math.prod(shape) // math.prod(layout.dim_splits) * dtype_bytes
     dim_axes = range(FIRST_DIM_AXIS, len(counts))
@@ -269,24 +300,29 @@ def _in_group_steps(shape: tuple[int, ...], dtype_bytes: int, layout: Layout, go
     moves += [(REPLICA_AXIS, axis, "local-chunk") for axis in dim_axes]
     moves += [(source, target, "all-to-all") for source in dim_axes for target in dim_axes if source != target]
     for source_axis, target_axis, kind in moves:
+        if goal_counts[source_axis] % counts[source_axis] == 0:
+            continue  # the goal keeps this count (or a multiple): never undo it
         for factor in _divisors(counts[source_axis]):
-            if target_axis >= FIRST_DIM_AXIS and goal_splits[target_axis - FIRST_DIM_AXIS] % (counts[target_axis] * factor):
-                continue
+            if goal_counts[target_axis] % (counts[target_axis] * factor):
+                continue  # never beyond the goal's count
             after, groups = layout.regroup(source_axis, target_axis, factor)
             dims = tuple(axis - FIRST_DIM_AXIS for axis in (source_axis, target_axis) if axis >= FIRST_DIM_AXIS)
             if kind in LOCAL_KINDS:
-                yield Step(kind, layout, after.normalized(), dims)
+                yield Step(kind, layout, after.normalized(), shape, dtype_bytes, dims)
                 continue
             message = piece_bytes * factor if kind == "all-gather" else piece_bytes
             per_group = (2 if kind == "all-reduce" else 1) * (factor - 1) * message
-            yield Step(kind, layout, after.normalized(), dims, factor, groups, message, per_group * len(groups))
+            volume = per_group * len(groups)
+            yield Step(kind, layout, after.normalized(), shape, dtype_bytes, dims, factor, groups, message, volume)
 
 
 def _crossings(shape: tuple[int, ...], layout: Layout, goal: Layout) -> Iterator[tuple[str, Layout]]:
     """Layouts on the target group one structured send away: same value split; each dim split as
     now or as the target's, all finer (scatter) or all coarser (gather) or equal (move, broadcast)."""
     size, value_parts = len(goal.devices), layout.value_parts
-    for splits in set(product(*({now, wanted} for now, wanted in zip(layout.dim_splits, goal.dim_splits)))):
+    if goal.value_parts % value_parts:
+        return  # sum partial values before sending them: never more data across
+    for splits in sorted(set(product(*({now, wanted} for now, wanted in zip(layout.dim_splits, goal.dim_splits))))):
         replicas, rest = divmod(size, value_parts * math.prod(splits))
         if rest or replicas == 0:
             continue
@@ -325,93 +361,58 @@ def _local_finish_kind(shape: tuple[int, ...], layout: Layout, goal: Layout) -> 
 def _device_pieces(layout: Layout, shape: tuple[int, ...]) -> dict[int, tuple[tuple[tuple[int, int], ...], int]]:
     """{device: (box ranges, value part)}: ``Layout.piece_of`` for all devices, as plain tuples."""
     bounds = [chunk_bounds(size, parts) for size, parts in zip(shape, layout.dim_splits)]
-    pieces = {}
-    for position, device in enumerate(layout.devices):
-        ranges = []
-        for dim_bounds in reversed(bounds):
-            position, chunk = divmod(position, len(dim_bounds))
-            ranges.append(dim_bounds[chunk])
-        pieces[device] = (tuple(reversed(ranges)), position % layout.value_parts)
-    return pieces
+    return {
+        device: (tuple(dim_bounds[chunk] for dim_bounds, chunk in zip(bounds, chunks)), part)
+        for device, part, chunks in device_chunks(layout)
+    }
 
 
-@lru_cache(maxsize=4096)
-def _holders(layout: Layout, shape: tuple[int, ...]) -> dict[tuple[int, tuple[int, ...]], list[int]]:
-    """{(value part, chunk per dim): devices holding that piece, in canonical order}."""
-    holders: dict[tuple[int, tuple[int, ...]], list[int]] = {}
-    block = len(layout.devices) // layout.replicas
-    for position, device in enumerate(layout.devices):
-        rest, coordinates = position % block, []
-        for count in reversed(layout.counts[FIRST_DIM_AXIS:]):
-            rest, coordinate = divmod(rest, count)
-            coordinates.append(coordinate)
-        holders.setdefault((rest, tuple(reversed(coordinates))), []).append(device)
-    return holders
+def _exchange_step(kind: str, shape: tuple[int, ...], dtype_bytes: int, before: Layout, after: Layout) -> Step:
+    """A point-to-point step of ``kind`` (its transfers are listed only when asked for)."""
+    (volume, bytes_per_device, messages), _ = _exchange(kind, shape, dtype_bytes, before, after, keep=False)
+    return Step(
+        kind, before, after, shape, dtype_bytes,
+        bytes_per_device=bytes_per_device, volume=volume, messages=messages,
+    )
 
 
-def _value_sources(held_parts: int, wanted_parts: int, wanted_part: int) -> range:
-    """Source value parts a device holding part ``wanted_part`` of ``wanted_parts`` sums (empty: zeros)."""
-    if held_parts == wanted_parts:
-        return range(wanted_part, wanted_part + 1)
-    if wanted_parts % held_parts == 0:  # finer: part k·m keeps source part k, the others are zeros
-        ratio = wanted_parts // held_parts
-        return range(wanted_part // ratio, wanted_part // ratio + 1) if wanted_part % ratio == 0 else range(0)
-    if held_parts % wanted_parts == 0:  # coarser: sum the source parts it is made of
-        ratio = held_parts // wanted_parts
-        return range(wanted_part * ratio, (wanted_part + 1) * ratio)
-    return range(held_parts) if wanted_part == 0 else range(0)
+def _exchange(
+    kind: str, shape: tuple[int, ...], dtype_bytes: int, before: Layout, after: Layout, *, keep: bool
+) -> tuple[tuple[int, int, int], tuple[Transfer, ...]]:
+    """Each device of ``after`` fetches what it lacks from the holders in ``before``.
 
+    Structured kinds pick the least-loaded holder of a replicated piece; ``p2p`` (the naive
+    fallback) picks the first. A holder that is the receiver itself sends nothing.
 
-def _exchange_step(
-    kind: str, shape: tuple[int, ...], dtype_bytes: int, before: Layout, after: Layout, *, spread: bool, keep: bool
-) -> Step:
-    """A point-to-point step: each device of ``after`` fetches what it lacks from ``before``'s holders.
-
-    Args:
-        spread: Pick the least-loaded holder of a replicated piece (structured steps) instead of
-            the first one (the naive fallback). A holder that is the receiver itself sends nothing.
-        keep: Record every ``Transfer`` (for the returned path; the search only needs totals).
+    Returns:
+        (volume, most bytes one device sends or receives, most peers of one device), and the
+        transfers when ``keep``.
     """
-    holders = _holders(before, shape)
-    bounds = [chunk_bounds(size, parts) for size, parts in zip(shape, before.dim_splits)]
-    starts = [[start for start, _ in dim_bounds] for dim_bounds in bounds]
-    sent: Counter[int] = Counter()
-    received: Counter[int] = Counter()
+    holders = piece_holders(before)
+    overlaps = [chunk_overlaps(*split) for split in zip(shape, before.dim_splits, after.dim_splits)]
+    spread = kind != "p2p"
+    sent: defaultdict[int, int] = defaultdict(int)
+    received: defaultdict[int, int] = defaultdict(int)
     peers: set[tuple[int, int]] = set()
     transfers = []
-    for device, (ranges, part) in _device_pieces(after, shape).items():
-        chunk_ranges = [
-            range(bisect_right(dim_starts, start) - 1, bisect_left(dim_starts, stop))
-            for dim_starts, (start, stop) in zip(starts, ranges)
-        ]
-        for chunks in product(*chunk_ranges):
-            box = tuple(
-                (max(start, dim_bounds[chunk][0]), min(stop, dim_bounds[chunk][1]))
-                for (start, stop), dim_bounds, chunk in zip(ranges, bounds, chunks)
-            )
-            nbytes = math.prod(stop - start for start, stop in box) * dtype_bytes
-            for source_part in _value_sources(before.value_parts, after.value_parts, part):
-                devices = holders[(source_part, chunks)]
+    for device, part, chunks in device_chunks(after):
+        sources = value_sources(before.value_parts, after.value_parts, part)
+        if not sources:
+            continue
+        for boxes in product(*(dim_overlaps[chunk] for dim_overlaps, chunk in zip(overlaps, chunks))):
+            source_chunks = tuple(chunk for chunk, _, _ in boxes)
+            nbytes = dtype_bytes * math.prod(stop - start for _, start, stop in boxes)
+            for source_part in sources:
+                devices = holders[(source_part, source_chunks)]
                 if device in devices:
                     continue
-                holder = min(devices, key=sent.__getitem__) if spread else devices[0]
+                holder = min(devices, key=sent.__getitem__) if spread and len(devices) > 1 else devices[0]
                 sent[holder] += nbytes
                 received[device] += nbytes
                 peers.add((holder, device))
                 if keep:
-                    transfers.append(Transfer(holder, device, IndexMask(box), ValueMask(source_part, before.value_parts)))
+                    index = IndexMask(tuple((start, stop) for _, start, stop in boxes))
+                    transfers.append(Transfer(holder, device, index, ValueMask(source_part, before.value_parts)))
     peer_counts = [*Counter(source for source, _ in peers).values(), *Counter(target for _, target in peers).values()]
-    return Step(
-        kind, before, after,
-        bytes_per_device=max([*sent.values(), *received.values(), 0]),
-        volume=sum(sent.values()),
-        messages=max(peer_counts, default=0),
-        transfers=tuple(transfers),
-    )
-
-
-def _with_transfers(shape: tuple[int, ...], dtype_bytes: int, step: Step) -> Step:
-    """The step as returned: point-to-point steps get their ``transfers`` listed."""
-    if step.kind in COLLECTIVE_KINDS or step.kind in LOCAL_KINDS:
-        return step
-    return _exchange_step(step.kind, shape, dtype_bytes, step.before, step.after, spread=step.kind != "p2p", keep=True)
+    totals = (sum(sent.values()), max([*sent.values(), *received.values(), 0]), max(peer_counts, default=0))
+    return totals, tuple(transfers)

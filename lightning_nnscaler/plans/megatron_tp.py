@@ -44,13 +44,13 @@ def tensor_parallel(graph: Graph, parts: int, ops: Sequence[str] | None = None, 
 
 
 def megatron_choice(graph: Graph) -> Choose:
-    """The split rule: linears by rows when their input arrives split on ``k``, else by columns;
-    other ops follow the split that reaches them. Final linears only follow."""
+    """The split rule: linears by rows when their input arrives split on ``k``, else by columns,
+    except the final ones (left whole); other ops follow the split that reaches them."""
     final = final_linears(graph)
 
     def choose(op: Op, offered: list[str]) -> str | None:
-        if op.target == LINEAR and op.source_name not in final:
-            return "k" if "k" in offered else "n"
+        if op.target == LINEAR:
+            return None if op.source_name in final else "k" if "k" in offered else "n"
         return offered[0] if offered else None
 
     return choose

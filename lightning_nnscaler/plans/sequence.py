@@ -6,22 +6,25 @@ from __future__ import annotations
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.plans.context import PlanContext
-from lightning_nnscaler.plans.megatron_tp import megatron_choice, tensor_parallel
+from lightning_nnscaler.plans.megatron_tp import LINEAR, megatron_choice, tensor_parallel
 from lightning_nnscaler.plans.propagate import place
 
 
 def sp(graph: Graph, ctx: PlanContext) -> None:
-    """`tp` over all devices; every op it leaves whole with an output ``(B, T, ...)`` is split along T.
+    """`tp` over all devices; every other op with an output ``(B, T, ...)`` is split along T.
 
     T is recognised by shape: dim 1 of a user input (token ids ``(B, T)``). The sequence split then
-    flows like any other until a linear column-splits (the materialization all-gathers its input)
-    or a row-split linear's partial sums meet a sequence-split op (a reduce-scatter).
+    flows on through non-linear ops; at a column-split linear the materialization all-gathers the
+    input, and where a row-split linear's partial sums meet a sequence-split op, reduce-scatters.
+    Final linears (LM head) stay whole, as in `tp`.
     """
     lengths = {tensor.shape[1] for tensor in graph.user_inputs if tensor.rank >= 2}
     megatron = megatron_choice(graph)
 
     def choose(op: Op, offered: list[str]) -> str | None:
-        return megatron(op, offered) or sequence_name(op, lengths)
+        if op.target == LINEAR:
+            return megatron(op, offered)
+        return offered[0] if offered else sequence_name(op, lengths)
 
     place(graph, tensor_parallel(graph, ctx.world_size, choose=choose), range(ctx.world_size))
 

@@ -60,15 +60,23 @@ def new_token(device: torch.device | str | None = None) -> torch.Tensor:
 def backward(
     token: torch.Tensor, tensors: Sequence[torch.Tensor] = (), grad_tensors: Sequence[torch.Tensor | None] | None = None
 ) -> None:
-    """``torch.autograd.backward(tensors, grad_tensors)`` that also runs this rank's whole communication chain.
+    """Backward from ``tensors`` (weighted by ``grad_tensors``) that also runs this rank's whole communication chain.
+
+    Differentiates ``0 * token + sum((tensor * grad).sum())``: the same gradients as
+    ``torch.autograd.backward(tensors, grad_tensors)`` (the seed of each element is exactly its grad),
+    plus the token as a root. Seeding a scalar implicitly also avoids torch's explicit-gradient check,
+    whose first call imports sympy (seconds, once per process).
 
     Args:
         token: the last token this rank's forward returned.
         tensors: this rank's outputs to differentiate (e.g. its loss); empty on a rank without one.
-        grad_tensors: their gradients, as for ``torch.autograd.backward`` (``None`` for a scalar loss).
+        grad_tensors: their gradients; ``None`` (the default, or per tensor) means a gradient of ones.
     """
     grads = list(grad_tensors) if grad_tensors is not None else [None] * len(tensors)
-    torch.autograd.backward([token, *tensors], [torch.zeros_like(token), *grads])
+    root = token * 0
+    for tensor, grad in zip(tensors, grads, strict=True):
+        root = root + (tensor.sum() if grad is None else (tensor * grad).sum())
+    root.backward()
 
 
 def _differentiable(dtype: torch.dtype) -> bool:

@@ -10,8 +10,11 @@ Conventions shared by every implementation:
   its chunk index (``all_gather`` concatenates in ``ranks`` order, ``reduce_scatter`` keeps chunk
   ``ranks.index(rank)``). Every rank in ``ranks`` passes a tensor of the same shape and dtype.
 - Collectives return a new tensor and never modify their input.
-- ``send`` returns at once; ``wait_sends`` waits for every send issued so far. ``recv`` blocks.
-  Messages between the same (src, dst, tag) arrive in the order they were sent.
+- ``send`` copies the tensor and returns at once (the caller may modify it afterwards);
+  ``wait_sends`` waits for every send issued so far. ``recv`` blocks.
+- Point-to-point messages carry a tag that sender and receiver must agree on (gloo matches tags),
+  *and* between two ranks they are received in the order they were sent (NCCL ignores tags and
+  matches by order). The in-memory world enforces both.
 - Every wait is bounded by the communicator's timeout and raises ``CommunicationError`` naming the
   op, the peer or group, the tag and the timeout, so a dead or diverged peer fails instead of hangs.
   After a ``CommunicationError`` the communicator is unusable (gloo closes the pair on a timeout).
@@ -94,6 +97,13 @@ def check_divisible(tensor: torch.Tensor, dim: int, parts: int, op: str) -> None
         raise ValueError(f"{op}: dim {dim} of shape {tuple(tensor.shape)} does not split into {parts} equal chunks")
 
 
+def check_broadcast_source(tensor: torch.Tensor | None, src: int, shape: Sequence[int], dtype: torch.dtype) -> None:
+    """Raise ValueError unless the source rank of a broadcast passes a tensor of the announced shape and dtype."""
+    if tensor is None or tensor.shape != tuple(shape) or tensor.dtype != dtype:
+        found = None if tensor is None else f"{tuple(tensor.shape)} {tensor.dtype}"
+        raise ValueError(f"broadcast: source rank {src} must pass a {tuple(shape)} {dtype} tensor, got {found}")
+
+
 class TorchDistributedCommunicator:
     """``Communicator`` over the initialized default process group.
 
@@ -124,7 +134,7 @@ class TorchDistributedCommunicator:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         check_peer(dst, self.rank, self.world_size)
-        tensor = tensor.detach().contiguous()
+        tensor = tensor.detach().clone(memory_format=torch.contiguous_format)
         self._pending_sends.append((dist.isend(tensor, dst, tag=tag), tensor, f"send to rank {dst} with tag {tag}"))
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
@@ -186,8 +196,7 @@ class TorchDistributedCommunicator:
         if src not in ranks:
             raise ValueError(f"broadcast source rank {src} is not in ranks {ranks}")
         if self.rank == src:
-            if tensor is None:
-                raise ValueError(f"broadcast: source rank {src} must pass the tensor to broadcast")
+            check_broadcast_source(tensor, src, shape, dtype)
             result = tensor.detach().clone(memory_format=torch.contiguous_format)
         else:
             result = torch.empty(tuple(shape), dtype=dtype, device=self.device)

@@ -50,6 +50,11 @@ class RankExecutor:
         communicator: Any,
         device: torch.device | str = "cpu",
     ) -> None:
+        if (module.RANK, module.WORLD_SIZE) != (rank, communicator.world_size):
+            raise ValueError(
+                f"the generated module is rank {module.RANK} of a {module.WORLD_SIZE}-rank plan, but it is being run as "
+                f"rank {rank} of {communicator.world_size}; plan again with world_size={communicator.world_size}"
+            )
         self.module = module
         self.rank = rank
         self.communicator = communicator

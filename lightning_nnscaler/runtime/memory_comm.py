@@ -3,7 +3,9 @@
 ``verify`` proves 8-32-rank plans this way. The world holds:
 
 - mailboxes keyed by ``(src, dst, tag)``: FIFO queues of cloned tensors; ``send`` deposits and
-  returns, ``recv`` blocks until one arrives.
+  returns, ``recv`` blocks until one arrives. Between two ranks, the k-th recv must take the k-th
+  message sent, whatever the tags: NCCL matches point-to-point messages by issue order and ignores
+  tags (gloo matches tags), so a program that passes here is correct on both backends.
 - rendezvous slots keyed by ``(ranks, sequence number)``: each rank's n-th collective over a
   ``ranks`` tuple meets the other ranks' n-th one. Every rank deposits a clone of its tensor, and
   once all have, each computes its own result from the deposits *in ranks order*, so sums are
@@ -25,7 +27,13 @@ from typing import Callable, Iterable, Sequence, TypeVar
 
 import torch
 
-from lightning_nnscaler.runtime.comm import CommunicationError, check_divisible, check_peer, check_ranks
+from lightning_nnscaler.runtime.comm import (
+    CommunicationError,
+    check_broadcast_source,
+    check_divisible,
+    check_peer,
+    check_ranks,
+)
 
 Result = TypeVar("Result")
 
@@ -52,7 +60,9 @@ class InMemoryWorld:
         self.timeout = timeout
         self.failure: tuple[int, BaseException] | None = None
         self._condition = threading.Condition()
-        self._mailboxes: dict[tuple[int, int, int], deque[torch.Tensor]] = defaultdict(deque)
+        self._mailboxes: dict[tuple[int, int, int], deque[tuple[int, torch.Tensor]]] = defaultdict(deque)
+        self._sent: dict[tuple[int, int], int] = defaultdict(int)  # messages sent from src to dst so far
+        self._received: dict[tuple[int, int], int] = defaultdict(int)
         self._rendezvous: dict[tuple[tuple[int, ...], int], _Rendezvous] = {}
 
     def fail(self, rank: int, error: BaseException) -> None:
@@ -64,14 +74,27 @@ class InMemoryWorld:
 
     def post(self, src: int, dst: int, tag: int, tensor: torch.Tensor) -> None:
         with self._condition:
-            self._mailboxes[(src, dst, tag)].append(tensor)
+            self._mailboxes[(src, dst, tag)].append((self._sent[(src, dst)], tensor))
+            self._sent[(src, dst)] += 1
             self._condition.notify_all()
 
     def take(self, src: int, dst: int, tag: int) -> torch.Tensor:
-        key = (src, dst, tag)
+        key, description = (src, dst, tag), f"rank {dst}: recv from rank {src} with tag {tag}"
         with self._condition:
-            self._wait_for(lambda: bool(self._mailboxes[key]), f"rank {dst}: recv from rank {src} with tag {tag}")
-            return self._mailboxes[key].popleft()
+            self._wait_for(lambda: bool(self._mailboxes[key]), description)
+            index, tensor = self._mailboxes[key].popleft()
+            expected = self._received[(src, dst)]
+            if index != expected:
+                error = CommunicationError(
+                    f"{description} got message #{index} rank {src} sent to it, but #{expected} was sent earlier and "
+                    "is not received yet: NCCL matches send/recv between two ranks in issue order (it ignores "
+                    "tags), so receive messages in the order they were sent"
+                )
+                self.failure = self.failure or (dst, error)
+                self._condition.notify_all()
+                raise error
+            self._received[(src, dst)] += 1
+            return tensor
 
     def exchange(
         self, rank: int, ranks: tuple[int, ...], sequence: int, signature: str, tensor: torch.Tensor | None
@@ -169,8 +192,8 @@ class InMemoryCommunicator:
     ) -> torch.Tensor:
         if src not in check_ranks(ranks, self.rank, self.world_size):
             raise ValueError(f"broadcast source rank {src} is not in ranks {ranks}")
-        if self.rank == src and tensor is None:
-            raise ValueError(f"broadcast: source rank {src} must pass the tensor to broadcast")
+        if self.rank == src:
+            check_broadcast_source(tensor, src, shape, dtype)
         deposits = self._exchange(ranks, f"broadcast(src={src})", tensor if self.rank == src else None)
         result = deposits[ranks.index(src)].clone()
         if result.shape != tuple(shape) or result.dtype != dtype:

@@ -28,10 +28,10 @@ SHAPE = (4, 6)  # dim 0 splits into 2 or 4 chunks
 COMMUNICATION_TIMEOUT = 5.0  # seconds; the failure scenarios use shorter ones
 KILLED_EXIT_CODE = 17
 
-# forkserver: children fork from a clean server that imported torch once (a spawned child would pay
-# ~3 s importing it), and no child inherits threads from the pytest process.
+# forkserver: children fork from a clean server that imported the package and this module once (a
+# spawned child pays seconds importing them), and no child inherits threads from the pytest process.
 CONTEXT = multiprocessing.get_context("forkserver")
-CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "lightning_nnscaler.runtime"])
+CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "lightning_nnscaler.runtime", "pytest", __name__])
 
 
 def rank_input(rank: int) -> torch.Tensor:
@@ -51,7 +51,9 @@ def collectives_scenario(comm) -> dict:
     everyone, rank, n = tuple(range(comm.world_size)), comm.rank, comm.world_size
     comm.create_groups([everyone, *pairs(n)])
     x = rank_input(rank)
-    comm.send(x * 10, (rank + 1) % n, tag=0)
+    message = x * 10
+    comm.send(message, (rank + 1) % n, tag=0)
+    message.zero_()  # send copied it: the receiver still gets x * 10
     results = {
         "all_reduce": comm.all_reduce(x, everyone),
         "all_reduce_pair": comm.all_reduce(x, pair_of(rank)),
@@ -131,7 +133,7 @@ def silent_peer_scenario(comm) -> dict:
     """Rank 0 waits for a message rank 1 never sends."""
     start = time.monotonic()
     if comm.rank == 1:
-        time.sleep(3 * comm.timeout)  # alive but silent
+        time.sleep(2 * comm.timeout)  # alive but silent until rank 0 timed out
         os._exit(0)
     try:
         comm.recv((2,), torch.float32, 1, tag=3)

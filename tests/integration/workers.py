@@ -44,7 +44,7 @@ def single_device_run(model_name: str, steps: int = STEPS) -> tuple[list[float],
         loss = model.training_step(batch, 0)
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses, {key: value.detach().clone() for key, value in model.named_parameters()}
 
 
@@ -65,6 +65,7 @@ def train_recipes(rank: int, world_size: int, model_name: str, recipes: list[tup
             inputs = {tensor.name: value for tensor, value in zip(plan.graph.user_inputs, lnn.flatten_inputs(batch, step="training_step"))}
             losses.append(float(executor.forward_backward(inputs)))
             optimizer.step()
-        shards = [(shard.state_key, shard.box, shard.tensor.detach().clone()) for shard in executor.shards.values()]
+            executor.after_optimizer_step()
+        shards = [(shard.state_key, shard.box, shard.tensor) for shard in executor.full_shards().values()]
         results[recipe] = {"losses": losses, "shards": shards}
     return results

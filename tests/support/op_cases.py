@@ -4,15 +4,16 @@ The graphs are the reference models (GPT, Swin, MBart, Evoformer; their ``small(
 training steps) and five third-party models built from configs (Hugging Face GPT-2, BERT, T5; timm
 Swin and ViT; dropout 0, nothing downloaded). Each graph is traced once, run through the reference
 interpreter while every op's inputs are recorded, and reduced to one ``OpCase`` per distinct
-(target, annotation, input shapes, input dtypes). An OpCase becomes a one-op ``Graph`` whose
+(target, annotation, input shapes and dtypes, output shapes). An OpCase becomes a one-op ``Graph`` whose
 inputs are the op's tensor inputs, so ``op_trans`` can be checked on it in isolation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -141,6 +142,18 @@ MODELS: dict[str, Callable[[], Built]] = {
 MODEL_NAMES = tuple(MODELS)
 
 
+@contextlib.contextmanager
+def single_threaded() -> Iterator[None]:
+    """Run torch on one thread: these ops are tiny, and two threads per process fighting other
+    processes for two cores made the checks five times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @functools.lru_cache(maxsize=None)
 def traced(model_name: str) -> tuple[Graph, dict[str, torch.Tensor]]:
     """The model's graph and a value for each of its inputs (parameters, buffers, the batch)."""
@@ -266,8 +279,12 @@ def _recorded(graph: Graph, inputs: dict[str, torch.Tensor]) -> list[tuple[Op, t
 
 
 def _case_key(op: Op) -> tuple[Any, ...]:
+    # Output shapes too: a factory (arange, zeros) has no tensor input to tell its calls apart.
     inputs = op.tensor_inputs
-    return (op.target, op.annotation, tuple(piece.shape for piece in inputs), tuple(piece.tensor.dtype for piece in inputs))
+    return (
+        op.target, op.annotation, tuple(piece.shape for piece in inputs), tuple(piece.tensor.dtype for piece in inputs),
+        tuple(output.shape for output in op.outputs),
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -275,7 +292,9 @@ def model_op_cases(model_name: str) -> tuple[OpCase, ...]:
     """The distinct op calls of one model's graph (random ops excluded)."""
     graph, inputs = traced(model_name)
     cases: dict[tuple[Any, ...], OpCase] = {}
-    for op, values in _recorded(graph, inputs):
+    with single_threaded():
+        recorded = _recorded(graph, inputs)
+    for op, values in recorded:
         if not is_random(op):
             cases.setdefault(_case_key(op), OpCase(model_name, op, values))
     return tuple(cases.values())

@@ -9,15 +9,24 @@ gradients (rtol 1e-5, in float64 so that only the split is measured).
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import pytest
 import torch
 from hypothesis import assume, given, note, settings
 from hypothesis import strategies as st
-from support.op_cases import MODEL_NAMES, OpCase, all_op_cases, cases_by_target, check_split
+from support.op_cases import MODEL_NAMES, OpCase, all_op_cases, cases_by_target, check_split, single_threaded
 
 import lightning_nnscaler as lnn
 from lightning_nnscaler.capture.registry import rule_for
 from lightning_nnscaler.primitives import TransformError
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    with single_threaded():
+        yield
+
 
 # Op kinds whose every call leaves nothing to split, with the reason.
 NOTHING_TO_SPLIT = {

@@ -87,18 +87,27 @@ def test_ring_of_sends_and_receives(world_size):
         assert torch.equal(received, rank_tensor((rank - 1) % world_size))
 
 
-def test_messages_are_fifo_per_tag_and_tags_are_independent():
+def test_messages_with_one_tag_arrive_in_the_order_sent():
     def program(comm):
         if comm.rank == 0:
-            for value in (1.0, 2.0):
+            for value in (1.0, 2.0, 3.0):
                 comm.send(torch.tensor([value]), 1, tag=7)
-            comm.send(torch.tensor([3.0]), 1, tag=8)
             return None
-        later_tag = comm.recv((1,), torch.float32, 0, tag=8)
-        first, second = (comm.recv((1,), torch.float32, 0, tag=7) for _ in range(2))
-        return [float(later_tag), float(first), float(second)]
+        return [float(comm.recv((1,), torch.float32, 0, tag=7)) for _ in range(3)]
 
-    assert run_ranks(2, program, timeout=10)[1] == [3.0, 1.0, 2.0]
+    assert run_ranks(2, program, timeout=10)[1] == [1.0, 2.0, 3.0]
+
+
+def test_receiving_in_another_order_than_sent_raises_because_nccl_matches_by_order():
+    def program(comm):
+        if comm.rank == 0:
+            comm.send(torch.tensor([1.0]), 1, tag=7)
+            comm.send(torch.tensor([2.0]), 1, tag=8)
+        else:
+            comm.recv((1,), torch.float32, 0, tag=8)
+
+    with pytest.raises(CommunicationError, match=r"tag 8 got message #1 .* but #0 was sent earlier .* NCCL"):
+        run_ranks(2, program, timeout=10)
 
 
 def test_no_tensor_is_shared_between_ranks():
@@ -175,7 +184,8 @@ def test_recv_of_a_different_shape_than_sent_raises():
         (lambda comm: comm.all_gather(torch.ones(1), 0, (0, 5)), r"in \[0, 4\)"),
         (lambda comm: comm.send(torch.ones(1), 0, 0), r"peer 0 of rank 0 must be another rank"),
         (lambda comm: comm.reduce_scatter(torch.ones(3), 0, (0, 1)), r"does not split into 2 equal chunks"),
-        (lambda comm: comm.broadcast(None, 0, (0, 1), (1,), torch.float32), r"source rank 0 must pass the tensor"),
+        (lambda comm: comm.broadcast(None, 0, (0, 1), (1,), torch.float32), r"source rank 0 must pass a \(1,\) torch"),
+        (lambda comm: comm.broadcast(torch.ones(2), 0, (0, 1), (1,), torch.float32), r"got \(2,\) torch.float32"),
     ],
 )
 def test_invalid_arguments_raise_before_communicating(call, message):

@@ -12,6 +12,8 @@ from lightning_nnscaler.runtime.pieces import assemble, checkpoint, zeros
 aten = torch.ops.aten
 DEVICE = torch.device("cpu")  # the loader sets the rank's device
 
+RANK = 0
+WORLD_SIZE = 2
 HELD = {  # variable: (graph tensor, state_dict key, box, role)
     'args_0': ('args_0', None, ((0, 4), (0, 8)), 'input'),
     'p_module_first_weight': ('p_module_first_weight', 'first.weight', ((0, 4), (0, 8)), 'parameter'),
