@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
-from typing import Iterator
+from typing import Any, Iterator
 
 from lightning_nnscaler.capture.registry import register_annotation
 from lightning_nnscaler.ir.annotation import DimAnnotation
@@ -30,6 +30,13 @@ def _text(inputs: list[list[str]], outputs: list[list[str]], value: tuple[int, .
 
 def _tensor_operands_only(op: Op) -> bool:
     return all(isinstance(arg, VTensor) for arg in op.args)
+
+
+def argument(op: Op, position: int | None, keyword: str, default: Any) -> Any:
+    """An argument given by position or by keyword (``position=None``: keyword-only)."""
+    if position is not None and len(op.args) > position:
+        return op.args[position]
+    return op.kwargs_dict.get(keyword, default)
 
 
 def _floating(dtype: str) -> bool:
@@ -154,22 +161,26 @@ def _sum_all(op: Op) -> str:
     return _reduction(op, None, False, "+", (0,))
 
 
-@register_annotation(
-    "aten.amax.default", "aten.amin.default", "aten.mean.dim", "aten.logsumexp.default", "aten.var.correction",
-    "aten.std.correction", "aten.linalg_vector_norm.default", "aten.any.dim", "aten.all.dim", "aten.argmax.default",
-    "aten.max.dim", "aten.min.dim", "aten.prod.dim_int",
-)
+# Reductions that are not sums: the reduced dims stay whole. Per target, the positions of the
+# ``dim`` and ``keepdim`` arguments in its ATen schema (``None``: keyword-only).
+_FROZEN_REDUCTIONS: dict[str, tuple[int, int | None]] = {
+    "aten.amax.default": (1, 2), "aten.amin.default": (1, 2), "aten.mean.dim": (1, 2), "aten.logsumexp.default": (1, 2),
+    "aten.var.correction": (1, None), "aten.std.correction": (1, None), "aten.var.dim": (1, 3), "aten.std.dim": (1, 3),
+    "aten.linalg_vector_norm.default": (2, 3), "aten.any.dim": (1, 2), "aten.all.dim": (1, 2),
+    "aten.argmax.default": (1, 2), "aten.argmin.default": (1, 2), "aten.max.dim": (1, 2), "aten.min.dim": (1, 2),
+    "aten.prod.dim_int": (1, 2),
+}
+
+
+@register_annotation(*_FROZEN_REDUCTIONS)
 def _frozen_reduction(op: Op) -> str:
-    dims = op.args[1] if len(op.args) > 1 else op.kwargs_dict.get("dim")
-    if op.target == "aten.linalg_vector_norm.default":
-        dims = op.args[2] if len(op.args) > 2 else op.kwargs_dict.get("dim")
-    keepdim = op.args[2] if len(op.args) > 2 and isinstance(op.args[2], bool) else op.kwargs_dict.get("keepdim", False)
-    if op.target == "aten.linalg_vector_norm.default":
-        keepdim = op.args[3] if len(op.args) > 3 else op.kwargs_dict.get("keepdim", False)
+    dim_position, keepdim_position = _FROZEN_REDUCTIONS[op.target]
+    dims = argument(op, dim_position, "dim", None)
+    keepdim = argument(op, keepdim_position, "keepdim", False)
     return _reduction(op, dims, bool(keepdim), "^", ())
 
 
-@register_annotation("aten.mean.default", "aten.any.default", "aten.all.default", "aten.amax.default_all")
+@register_annotation("aten.mean.default", "aten.any.default", "aten.all.default")
 def _frozen_reduction_all(op: Op) -> str:
     return _reduction(op, None, False, "^", ())
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
-from lightning_nnscaler.capture.annotations import _broadcast, _names, _normalized_dims, _text, exact_value_inputs
+from lightning_nnscaler.capture.annotations import _broadcast, _names, _normalized_dims, _text, argument, exact_value_inputs
 from lightning_nnscaler.capture.registry import register_annotation
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.tensor import VTensor
@@ -19,10 +19,6 @@ def _set_argument(op: Op, position: int, keyword: str, value: Any) -> Op:
     if len(op.args) > position:
         return replace(op, args=op.args[:position] + (value,) + op.args[position + 1 :])
     return replace(op, kwargs=tuple((key, value if key == keyword else old) for key, old in op.kwargs))
-
-
-def _argument(op: Op, position: int, keyword: str, default: Any) -> Any:
-    return op.args[position] if len(op.args) > position else op.kwargs_dict.get(keyword, default)
 
 
 def _shape_argument(position: int, keyword: str = "size") -> Callable[[Op], Op]:
@@ -83,7 +79,7 @@ register_annotation("aten.flatten.using_ints", "aten.unsqueeze.default")(_reshap
 def _squeeze_rewrite(piece: Op) -> Op:
     """Squeeze only the dims of size 1 in the whole tensor: a split may leave a piece's dim at size 1."""
     whole = piece.tensor_inputs[0].tensor.shape
-    requested = None if piece.target == "aten.squeeze.default" else _argument(piece, 1, "dim", None)
+    requested = None if piece.target == "aten.squeeze.default" else argument(piece, 1, "dim", None)
     dims = [dim for dim in _normalized_dims(requested, len(whole)) if whole[dim] == 1]
     return replace(piece, target="aten.squeeze.dims", args=(piece.args[0], dims), kwargs=())
 
@@ -149,6 +145,12 @@ def _cut_along_dims(op: Op) -> str:
 register_annotation("aten.chunk.default")(lambda op: _with_frozen_dims(op, {_dim_argument(op, 2)}))
 
 
+@register_annotation("aten.flip.default")
+def _flip(op: Op) -> str:
+    # A flipped dim maps index i to size-1-i: a piece of it reads the mirrored piece of the input.
+    return _with_frozen_dims(op, set(_normalized_dims(argument(op, 1, "dims", []), len(op.tensor_inputs[0].shape))))
+
+
 @register_annotation("aten.select.int", "aten.unbind.int")
 def _select(op: Op) -> str:
     dim = _dim_argument(op, 1)
@@ -184,9 +186,9 @@ def _pad(op: Op) -> str:
     widths = list(op.args[1])
     padded = {rank - 1 - index // 2 for index, width in enumerate(widths) if width}
     if op.target == "aten.pad.default":
-        mode, fill = _argument(op, 2, "mode", "constant"), _argument(op, 3, "value", None)
+        mode, fill = argument(op, 2, "mode", "constant"), argument(op, 3, "value", None)
     else:
-        mode, fill = "constant", _argument(op, 2, "value", 0)
+        mode, fill = "constant", argument(op, 2, "value", 0)
     # Reflect/replicate/circular padding copies elements (linear); a constant fill is linear only if 0.
     linear = mode != "constant" or not fill
     return _with_frozen_dims(op, padded, (0,) if linear else ())
@@ -255,7 +257,7 @@ def _joined_along(op: Op, dim: int, value: tuple[int, ...]) -> str:
 @register_annotation("aten.diff.default")
 def _diff(op: Op) -> str:
     # diff(x, n, dim, prepend, append) is linear in x, prepend and append jointly.
-    dim = int(_argument(op, 2, "dim", -1)) % len(op.outputs[0].shape)
+    dim = int(argument(op, 2, "dim", -1)) % len(op.outputs[0].shape)
     return _joined_along(op, dim, tuple(range(len(op.tensor_inputs))))
 
 

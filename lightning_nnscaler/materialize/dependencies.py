@@ -71,7 +71,7 @@ class _Builder:
                 self.cache[rank].setdefault((output.name, output.index, output.value), var)
         self.collect_outputs()
         for program in self.programs:
-            program.actions.sort(key=lambda action: action.position)
+            program.actions.sort(key=_action_order)
         return Program(len(self.programs), self.programs, self.gradient_groups())
 
     # --- graph inputs -------------------------------------------------------------------------
@@ -166,7 +166,9 @@ class _Builder:
         tag = next(self.tags)
         self.programs[src].actions.append(Send(produced_at + 0.1, source_var, region, dst, tag))
         var = self.var(dst, f"{piece.name}_from_{src}")
-        self.programs[dst].actions.append(Recv(position - 0.5, var, shape, piece.tensor.dtype, src, tag))
+        # Received right after it is sent: between two ranks, receives then follow the order of the
+        # sends, as NCCL (which ignores tags) requires; the wait is only for data already produced.
+        self.programs[dst].actions.append(Recv(produced_at + 0.1, var, shape, piece.tensor.dtype, src, tag))
         return var
 
     def check_coverage(self, piece: VTensor, sources: list[VTensor], reader: str) -> None:
@@ -190,6 +192,12 @@ class _Builder:
                 key = (piece.index, piece.value)
                 self.programs[rank].outputs.append(RankOutput(name, var, piece, seed=key not in seen))
                 seen.add(key)
+
+
+def _action_order(action: object) -> tuple[float, int, int]:
+    """By position; at one position sends come before receives, and messages go by tag."""
+    kind = 0 if isinstance(action, Send) else 1
+    return (action.position, kind, getattr(action, "tag", 0))
 
 
 def _choose_holder(holders: list[tuple[VTensor, int, str, float]], rank: int) -> tuple[VTensor, int, str, float]:

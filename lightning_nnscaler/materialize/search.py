@@ -212,7 +212,7 @@ def p2p_path(
 
 def clear_search_cache() -> None:
     """Forget every cached search and helper table (to time uncached searches)."""
-    for cached in (_search, _device_pieces, chunk_bounds, chunk_overlaps, device_chunks, piece_holders, regroup_order):
+    for cached in (_search, _device_pieces, _overlap_table, chunk_bounds, chunk_overlaps, device_chunks, piece_holders, regroup_order):
         cached.cache_clear()
 
 
@@ -300,20 +300,23 @@ def _in_group_steps(shape: tuple[int, ...], dtype_bytes: int, layout: Layout, go
     moves += [(REPLICA_AXIS, axis, "local-chunk") for axis in dim_axes]
     moves += [(source, target, "all-to-all") for source in dim_axes for target in dim_axes if source != target]
     for source_axis, target_axis, kind in moves:
-        if goal_counts[source_axis] % counts[source_axis] == 0:
-            continue  # the goal keeps this count (or a multiple): never undo it
-        for factor in _divisors(counts[source_axis]):
-            if goal_counts[target_axis] % (counts[target_axis] * factor):
-                continue  # never beyond the goal's count
-            after, groups = layout.regroup(source_axis, target_axis, factor)
-            dims = tuple(axis - FIRST_DIM_AXIS for axis in (source_axis, target_axis) if axis >= FIRST_DIM_AXIS)
-            if kind in LOCAL_KINDS:
-                yield Step(kind, layout, after.normalized(), shape, dtype_bytes, dims)
-                continue
-            message = piece_bytes * factor if kind == "all-gather" else piece_bytes
-            per_group = (2 if kind == "all-reduce" else 1) * (factor - 1) * message
-            volume = per_group * len(groups)
-            yield Step(kind, layout, after.normalized(), shape, dtype_bytes, dims, factor, groups, message, volume)
+        # Move as much as both ends allow in one step: the excess of the source axis over the goal
+        # (what the goal does not keep) against what the target axis lacks. Never undo a count the
+        # goal keeps, never go beyond the goal's count; one collective, not a chain of small ones.
+        excess = counts[source_axis] // math.gcd(counts[source_axis], goal_counts[source_axis])
+        lacking, rest = divmod(goal_counts[target_axis], counts[target_axis])
+        factor = math.gcd(excess, lacking) if rest == 0 else 1
+        if factor == 1:
+            continue
+        after, groups = layout.regroup(source_axis, target_axis, factor)
+        dims = tuple(axis - FIRST_DIM_AXIS for axis in (source_axis, target_axis) if axis >= FIRST_DIM_AXIS)
+        if kind in LOCAL_KINDS:
+            yield Step(kind, layout, after.normalized(), shape, dtype_bytes, dims)
+            continue
+        message = piece_bytes * factor if kind == "all-gather" else piece_bytes
+        per_group = (2 if kind == "all-reduce" else 1) * (factor - 1) * message
+        volume = per_group * len(groups)
+        yield Step(kind, layout, after.normalized(), shape, dtype_bytes, dims, factor, groups, message, volume)
 
 
 def _crossings(shape: tuple[int, ...], layout: Layout, goal: Layout) -> Iterator[tuple[str, Layout]]:
@@ -389,20 +392,16 @@ def _exchange(
         transfers when ``keep``.
     """
     holders = piece_holders(before)
-    overlaps = [chunk_overlaps(*split) for split in zip(shape, before.dim_splits, after.dim_splits)]
+    overlaps = _overlap_table(shape, dtype_bytes, before.dim_splits, after.dim_splits)
+    wanted = [value_sources(before.value_parts, after.value_parts, part) for part in range(after.value_parts)]
     spread = kind != "p2p"
     sent: defaultdict[int, int] = defaultdict(int)
     received: defaultdict[int, int] = defaultdict(int)
     peers: set[tuple[int, int]] = set()
     transfers = []
     for device, part, chunks in device_chunks(after):
-        sources = value_sources(before.value_parts, after.value_parts, part)
-        if not sources:
-            continue
-        for boxes in product(*(dim_overlaps[chunk] for dim_overlaps, chunk in zip(overlaps, chunks))):
-            source_chunks = tuple(chunk for chunk, _, _ in boxes)
-            nbytes = dtype_bytes * math.prod(stop - start for _, start, stop in boxes)
-            for source_part in sources:
+        for source_chunks, nbytes, ranges in overlaps[chunks] if wanted[part] else ():
+            for source_part in wanted[part]:
                 devices = holders[(source_part, source_chunks)]
                 if device in devices:
                     continue
@@ -411,8 +410,26 @@ def _exchange(
                 received[device] += nbytes
                 peers.add((holder, device))
                 if keep:
-                    index = IndexMask(tuple((start, stop) for _, start, stop in boxes))
-                    transfers.append(Transfer(holder, device, index, ValueMask(source_part, before.value_parts)))
+                    transfers.append(Transfer(holder, device, IndexMask(ranges), ValueMask(source_part, before.value_parts)))
     peer_counts = [*Counter(source for source, _ in peers).values(), *Counter(target for _, target in peers).values()]
     totals = (sum(sent.values()), max([*sent.values(), *received.values(), 0]), max(peer_counts, default=0))
     return totals, tuple(transfers)
+
+
+@lru_cache(maxsize=4096)
+def _overlap_table(
+    shape: tuple[int, ...], dtype_bytes: int, have_splits: tuple[int, ...], want_splits: tuple[int, ...]
+) -> dict[tuple[int, ...], tuple[tuple[tuple[int, ...], int, tuple[tuple[int, int], ...]], ...]]:
+    """{wanted chunks: ((held chunks, bytes, box) for every held piece the wanted box overlaps)}."""
+    per_dim = [chunk_overlaps(*split) for split in zip(shape, have_splits, want_splits)]
+    return {
+        chunks: tuple(
+            (
+                tuple(chunk for chunk, _, _ in boxes),
+                dtype_bytes * math.prod(stop - start for _, start, stop in boxes),
+                tuple((start, stop) for _, start, stop in boxes),
+            )
+            for boxes in product(*(dim_overlaps[chunk] for dim_overlaps, chunk in zip(per_dim, chunks)))
+        )
+        for chunks in product(*(range(parts) for parts in want_splits))
+    }

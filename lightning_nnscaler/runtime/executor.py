@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from lightning_nnscaler.runtime import autograd_comm as comm
 from lightning_nnscaler.materialize.program import Box
 from lightning_nnscaler.runtime.reducer import GradientReducer
 
@@ -126,8 +127,7 @@ class RankExecutor:
         seeds = [outputs[name] for name, _, seed in self.module.OUTPUTS if seed]
         if backward:
             # The token's chain reaches every send whose backward receives a gradient from a peer.
-            roots = [seed for seed in seeds if seed.requires_grad] + [token]
-            torch.autograd.backward(roots, [torch.ones_like(root) for root in roots[:-1]] + [torch.zeros_like(token)])
+            comm.backward(token, [seed for seed in seeds if seed.requires_grad])
         self.communicator.wait_sends()
         if backward:
             self.reducer.after_backward()

@@ -125,6 +125,46 @@ def _timm(name: str, **overrides: Any) -> Callable[[], Built]:
     return build
 
 
+class _OpZoo(nn.Module):
+    """Calls the ops that have a rule but that none of the models above produce, so that their
+    rules are checked too. Every result is summed into one scalar."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 12))
+        self.conv = nn.Conv1d(12, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # x (4, 8, 12), ids (4, 8) < 12
+        scores = torch.bmm(x, x.transpose(1, 2))  # (4, 8, 8)
+        results = [
+            scores, torch.mm(x[0], self.weight.t()), torch.baddbmm(scores, x, x.transpose(1, 2), beta=0.5),
+            torch.tril(scores), torch.triu(scores, 1),
+            x.var(dim=-1, keepdim=True), x.std(dim=1), x.amax(-1, keepdim=True), x.amin(1), x.max(dim=-1)[0],
+            x.min(dim=1)[1].float(), x.argmax(-1).float(), torch.logsumexp(x, dim=-1), F.log_softmax(x, dim=-1),
+            torch.linalg.vector_norm(x, dim=-1), x.prod(dim=-1), (x > 0).any(dim=-1).float(), (x > -5).all(dim=1).float(),
+            torch.stack([part.sum(-1) for part in torch.split(x, [4, 8], dim=-1)], dim=-1), torch.chunk(x, 2, dim=1)[1],
+            F.pad(x, (1, 3), value=1.0), F.pad(x, (2, 2)), x.flip(0), x.reshape(4, 96).unflatten(1, (8, 12)),
+            x[:, :1].squeeze(1), x[:, :, :1].squeeze(), torch.exp(-x.abs()), F.silu(x), torch.clamp(x, -1, 1),
+            torch.sqrt(x.abs() + 1), torch.sin(x) * torch.cos(x), torch.maximum(x, x.flip(0)), torch.where(x > 0, 1.0, x),
+            x.abs().pow(x), 2 - x, F.softplus(x), F.elu(x), F.leaky_relu(x), torch.erf(x), F.hardtanh(x),
+            torch.reciprocal(x.abs() + 1), x.type_as(ids), self.conv(x.transpose(1, 2)),
+            F.nll_loss(F.log_softmax(x, -1).reshape(32, 12), ids.reshape(32), reduction="sum"),
+            x.new_full((4, 8), 2.0) * torch.ones(4, 8) + torch.full((4, 8), 3.0), torch.arange(2, 10) * 1.0,
+            torch.arange(0, 16, 2) * 1.0, torch.var(x, 1, correction=0), torch.std(x, -1, correction=2, keepdim=True),
+            x.argmin(1).float(), x.clamp_min(0) + x.clamp_max(0), torch.floor(x) + torch.ceil(x) + torch.round(x) + torch.sign(x),
+            torch.log1p(x.abs()), torch.minimum(x, -x), F.mish(x), torch.constant_pad_nd(x, [0, 0, 1, 1], 0.0),
+            x[:, :, :1].squeeze((2,)), x.masked_fill(x < 0, 0.5), torch.isnan(x).float(), torch.logical_not(x > 0).float(),
+            ((x > 0) & (x < 1) | (x > 2)).float(), F.softmax(x, dim=1), x.mean(dim=-1),
+        ]
+        return sum(result.float().sum() for result in results)
+
+
+def _op_zoo() -> Built:
+    generator = torch.Generator().manual_seed(SEED)
+    example = (torch.randn(4, 8, 12, generator=generator), torch.randint(0, 12, (4, 8), generator=generator))
+    return _OpZoo(), example, None
+
+
 MODELS: dict[str, Callable[[], Built]] = {
     "gpt": functools.partial(_reference, "gpt"),
     "swin": functools.partial(_reference, "swin"),
@@ -140,6 +180,9 @@ MODELS: dict[str, Callable[[], Built]] = {
     "timm_vit": _timm("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2),
 }
 MODEL_NAMES = tuple(MODELS)
+ZOO = "op_zoo"
+"""Not a model: the ops with a rule that the models do not produce. Its cases join the split checks."""
+MODELS[ZOO] = _op_zoo
 
 
 @contextlib.contextmanager
@@ -301,19 +344,19 @@ def model_op_cases(model_name: str) -> tuple[OpCase, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def all_op_cases() -> tuple[OpCase, ...]:
-    """The distinct op calls of all graphs; a call seen in several models is kept once (first model)."""
+def all_op_cases(with_zoo: bool = False) -> tuple[OpCase, ...]:
+    """The distinct op calls of all graphs (and the zoo's); a call seen in several is kept once (first)."""
     cases: dict[tuple[Any, ...], OpCase] = {}
-    for model_name in MODEL_NAMES:
+    for model_name in MODEL_NAMES + ((ZOO,) if with_zoo else ()):
         for case in model_op_cases(model_name):
             cases.setdefault(_case_key(case.op), case)
     return tuple(cases.values())
 
 
-def cases_by_target() -> dict[str, list[OpCase]]:
+def cases_by_target(with_zoo: bool = False) -> dict[str, list[OpCase]]:
     """``all_op_cases()`` grouped by op target, targets sorted."""
     grouped: dict[str, list[OpCase]] = {}
-    for case in all_op_cases():
+    for case in all_op_cases(with_zoo):
         grouped.setdefault(case.target, []).append(case)
     return dict(sorted(grouped.items()))
 
