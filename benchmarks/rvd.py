@@ -8,14 +8,16 @@ is the naive plan: every target piece fetched piece-wise from the first source h
 overlapping box, data a device already holds excluded. "DTensor" is the plan torch's own
 redistribute planner (``_gen_transform_infos_non_cached``, the default greedy planner that
 ``DTensor.redistribute`` runs) makes for the same placements on a ``DeviceMesh`` over a fake
-process group (no communication happens), priced with the same collective volumes as ours:
+process group (no communication happens); "DTensor min-cost" is its opt-in graph planner
+(``use_min_cost_redistribution_plan``). Both are priced with the same collective volumes as ours:
 all-reduce 2(p-1)/p·n, all-gather (p-1)/p·n (n = output), reduce-scatter and all-to-all
 (p-1)/p·n per device. DTensor cannot move a tensor between meshes, so rows between groups print
-"n/a". Search time: median of 5 runs of an uncached search with every helper table cleared too.
+"n/a". Search time: median CPU time of 5 uncached searches, every helper table cleared too.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
@@ -91,7 +93,7 @@ ROWS = [
     dtensor_row(TWO_D, (4, 8), (P, S1), (S0, S1)),
     layout_row(ONE_D, "R4V1D(1)@[0..3]", "R2V1D(1)@[4,5]"),
     layout_row(ONE_D, "R1V1D(4)@[0..3]", "R1V1D(2)@[4,5]"),
-    layout_row((1000,), "R1V1D(3)@[0..2]", "R1V1D(4)@[0..3]"),
+    layout_row((3 * MIB + 1,), "R1V1D(3)@[0..2]", "R1V1D(4)@[0..3]"),  # uneven chunks
     layout_row(TWO_D, "R1V1D(8,1)@[0..7]", "R1V1D(1,4)@[8..11]"),
     layout_row(TWO_D, "R1V2D(4,1)@[0..7]", "R4V1D(1,1)@[8..11]"),
     layout_row(TWO_D, "R2V1D(1,4)@[0..7]", "R1V1D(1,4)@[8..11]"),
@@ -100,8 +102,12 @@ ROWS = [
 ]
 
 
-def dtensor_volume(row: Row) -> tuple[int, str] | None:
-    """Bytes on the wire of DTensor's own redistribute plan, and its steps; None where it cannot say."""
+def dtensor_volume(row: Row, min_cost: bool = False) -> tuple[int, str] | None:
+    """Bytes on the wire of DTensor's own redistribute plan, and its steps; None where it cannot say.
+
+    ``min_cost`` asks for DTensor's opt-in graph planner (``use_min_cost_redistribution_plan``)
+    instead of the default greedy one.
+    """
     if row.mesh_shape is None:
         return None
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -113,7 +119,7 @@ def dtensor_volume(row: Row) -> tuple[int, str] | None:
     source = DTensorSpec(mesh, row.source_placements, tensor_meta=meta)
     target = DTensorSpec(mesh, row.target_placements, tensor_meta=meta)
     placements, volume, names = list(row.source_placements), 0.0, []
-    for info in _gen_transform_infos_non_cached(source, target):
+    for info in _gen_transform_infos_non_cached(source, target, use_graph_based_transform=min_cost):
         group = row.mesh_shape[info.mesh_dim]
         shards = math.prod(size for size, placement in zip(row.mesh_shape, placements) if placement.is_shard())
         local = math.prod(row.shape) * DTYPE_BYTES / shards  # bytes of one device's piece before the step
@@ -135,45 +141,76 @@ def dtensor_volume(row: Row) -> tuple[int, str] | None:
 
 
 def timed_search(row: Row) -> float:
-    """Median seconds of an uncached search (the result cache and every helper table cleared)."""
+    """Median CPU seconds of an uncached search (the result cache and every helper table cleared).
+
+    The garbage collector is off while timing, as in ``timeit``: with torch imported a full
+    collection walks ~10^5 objects and would be charged to whichever call triggers it.
+    """
     timings = []
     for _ in range(5):
         clear_search_cache()
+        gc.disable()
         started = time.process_time()
         search(row.shape, DTYPE_BYTES, row.source, row.target)
         timings.append(time.process_time() - started)
+        gc.enable()
     return statistics.median(timings)
+
+
+def ratio(ours: int, theirs: int) -> str:
+    return f"{ours / theirs:.2f}" if theirs else "-"
+
+
+def transition_text(row: Row) -> str:
+    """DTensor rows in placements (``mesh 2×4: S0,S0 → R,S0``), the others in R·V·D text."""
+    if row.mesh_shape is None:
+        return f"{row.source} → {row.target}"
+    names = lambda placements: ",".join(  # noqa: E731
+        "P" if placement.is_partial() else "R" if placement.is_replicate() else f"S{placement.dim}"
+        for placement in placements
+    )
+    mesh = "×".join(map(str, row.mesh_shape))
+    return f"mesh {mesh}: {names(row.source_placements)} → {names(row.target_placements)}"
 
 
 def main() -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=32)
-    header = ["transition", "shape", "ours (steps)", "ours MiB", "P2P MiB", "DTensor MiB", "ours/P2P", "ours/DT", "DTensor steps", "search ms"]
+    header = [
+        "#", "transition", "shape", "ours (steps)", "ours MiB", "P2P MiB", "DTensor MiB", "DTensor min-cost MiB",
+        "ours/P2P", "ours/DTensor", "ours/min-cost", "DTensor plan", "search ms",
+    ]  # fmt: skip
     lines, times = [header], []
-    for row in ROWS:
+    for number, row in enumerate(ROWS, 1):
         path = search(row.shape, DTYPE_BYTES, row.source, row.target)
         naive = p2p_path(row.shape, DTYPE_BYTES, row.source, row.target)
-        peer = dtensor_volume(row)
+        peer, best_peer = dtensor_volume(row), dtensor_volume(row, min_cost=True)
         times.append(timed_search(row))
         lines.append([
-            f"{row.source} → {row.target}",
+            str(number),
+            transition_text(row),
             "×".join(map(str, row.shape)),
             str(path),
             f"{path.volume / MIB:.2f}",
             f"{naive.volume / MIB:.2f}",
             "n/a" if peer is None else f"{peer[0] / MIB:.2f}",
-            f"{path.volume / naive.volume:.2f}" if naive.volume else "-",
-            "n/a" if peer is None else f"{path.volume / peer[0]:.2f}" if peer[0] else "-",
+            "n/a" if best_peer is None else f"{best_peer[0] / MIB:.2f}",
+            ratio(path.volume, naive.volume),
+            "n/a" if peer is None else ratio(path.volume, peer[0]),
+            "n/a" if best_peer is None else ratio(path.volume, best_peer[0]),
             "n/a" if peer is None else peer[1],
             f"{times[-1] * 1e3:.2f}",
         ])  # fmt: skip
     widths = [max(len(line[column]) for line in lines) for column in range(len(header))]
     for index, line in enumerate(lines):
-        print(" | ".join(cell.ljust(width) for cell, width in zip(line, widths)))
+        print("| " + " | ".join(cell.ljust(width) for cell, width in zip(line, widths)) + " |")
         if index == 0:
-            print("-|-".join("-" * width for width in widths))
+            print("|-" + "-|-".join("-" * width for width in widths) + "-|")
     print(f"\nsearch time per uncached case: median {statistics.median(times) * 1e3:.2f} ms, max {max(times) * 1e3:.2f} ms")
+    print("\nrows as R·V·D layouts (devices in canonical order):")
+    for number, row in enumerate(ROWS, 1):
+        print(f"  {number:2}. {row.source} → {row.target}")
     dist.destroy_process_group()
 
 

@@ -47,7 +47,7 @@ _TEXT = re.compile(r"^R(\d+)V(\d+)D\(([\d,\s]*)\)@\[([\d,.\s]*)\]$")
 
 @lru_cache(maxsize=4096)
 def chunk_bounds(size: int, parts: int) -> tuple[tuple[int, int], ...]:
-    """The ``[start, stop)`` ranges of ``parts`` contiguous chunks of a dim of ``size`` (larger ones first)."""
+    """The ``[start, stop)`` ranges of ``parts`` contiguous chunks of a dim of ``size``, larger ones first."""
     if not 1 <= parts <= size:
         raise ValueError(f"cannot cut a dim of size {size} into {parts} non-empty chunks; use 1..{size} chunks")
     base, extra = divmod(size, parts)
@@ -59,103 +59,12 @@ def chunk_bounds(size: int, parts: int) -> tuple[tuple[int, int], ...]:
     return tuple(bounds)
 
 
-def row_major(coordinates: tuple[int, ...] | list[int], counts: tuple[int, ...]) -> int:
-    """Position of ``coordinates`` in a row-major array of shape ``counts``."""
-    position = 0
-    for coordinate, count in zip(coordinates, counts, strict=True):
-        position = position * count + coordinate
-    return position
-
-
-@lru_cache(maxsize=8192)
-def regroup_order(
-    counts: tuple[int, ...], source_axis: int, target_axis: int, factor: int
-) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...], ...]]:
-    """Move the inner ``factor`` of ``source_axis`` into the inner part of ``target_axis``.
-
-    The coordinate ``x`` on the source axis is ``x = outer * factor + inner``; afterwards the
-    source axis counts ``outer`` and the target axis coordinate becomes ``y * factor + inner``.
-    This is how every in-group transition rearranges the device array (see ``search.py``).
-
-    Returns:
-        The new counts; for each new position the old position of the device now there; and the
-        sub-groups (old positions) of devices that differ only in ``inner``, the devices a
-        collective for this move runs among.
-    """
-    new_counts = list(counts)
-    new_counts[source_axis] //= factor
-    new_counts[target_axis] *= factor
-    strides = [math.prod(counts[axis + 1 :]) for axis in range(len(counts))]
-    order, groups = [], {}
-    for new_coordinates in product(*(range(count) for count in new_counts)):
-        outer, inner = divmod(new_coordinates[target_axis], factor)
-        old_position = (
-            sum(coordinate * stride for coordinate, stride in zip(new_coordinates, strides))
-            + (outer - new_coordinates[target_axis]) * strides[target_axis]
-            + (new_coordinates[source_axis] * (factor - 1) + inner) * strides[source_axis]
-        )
-        order.append(old_position)
-        # The sub-group: devices with the same new coordinates except the inner part of the target axis.
-        key = new_coordinates[:target_axis] + (outer,) + new_coordinates[target_axis + 1 :]
-        groups.setdefault(key, []).append(old_position)
-    return tuple(new_counts), tuple(order), tuple(tuple(group) for group in groups.values())
-
-
-@lru_cache(maxsize=4096)
-def chunk_overlaps(size: int, have_parts: int, want_parts: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
-    """For each of ``want_parts`` chunks of a dim: the ``(have chunk, start, stop)`` it overlaps among ``have_parts``."""
-    have, want = chunk_bounds(size, have_parts), chunk_bounds(size, want_parts)
-    starts = [start for start, _ in have]
-    return tuple(
-        tuple(
-            (chunk, max(start, have[chunk][0]), min(stop, have[chunk][1]))
-            for chunk in range(bisect_right(starts, start) - 1, bisect_left(starts, stop))
-        )
-        for start, stop in want
-    )
-
-
-@lru_cache(maxsize=4096)
-def device_chunks(layout: Layout) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
-    """``(device, value part, chunk per dim)`` for every device, in canonical order."""
-    entries = []
-    for position, device in enumerate(layout.devices):
-        chunks = []
-        for count in reversed(layout.dim_splits):
-            position, chunk = divmod(position, count)
-            chunks.append(chunk)
-        entries.append((device, position % layout.value_parts, tuple(reversed(chunks))))
-    return tuple(entries)
-
-
-@lru_cache(maxsize=4096)
-def piece_holders(layout: Layout) -> dict[tuple[int, tuple[int, ...]], tuple[int, ...]]:
-    """{(value part, chunk per dim): the devices holding that piece, replica 0 first}."""
-    holders: dict[tuple[int, tuple[int, ...]], list[int]] = {}
-    for device, part, chunks in device_chunks(layout):
-        holders.setdefault((part, chunks), []).append(device)
-    return {piece: tuple(devices) for piece, devices in holders.items()}
-
-
-def value_sources(have_parts: int, want_parts: int, want_part: int) -> range:
-    """The held value parts that sum to part ``want_part`` of ``want_parts`` (empty: it is zeros).
-
-    Finer parts (``want_parts = m·have_parts``) follow ``ValueMask.split``: part ``k·m`` keeps
-    held part ``k``, the other ``m - 1`` are zeros. Coarser parts sum the held parts they are made
-    of. Otherwise part 0 sums all held parts and the others are zeros.
-    """
-    if want_parts % have_parts == 0:
-        ratio = want_parts // have_parts
-        return range(want_part // ratio, want_part // ratio + 1) if want_part % ratio == 0 else range(0)
-    if have_parts % want_parts == 0:
-        ratio = have_parts // want_parts
-        return range(want_part * ratio, (want_part + 1) * ratio)
-    return range(have_parts) if want_part == 0 else range(0)
-
-
 @dataclass(frozen=True)
 class Layout:
     """A tensor's distribution over an ordered device group as R·V·D (see the module docstring).
+
+    Layouts compare by device order too; ``normalized()`` gives the key under which two layouts
+    that place the tensor alike (replicas swapped) are equal.
 
     Attributes:
         replicas: ``R``, the number of full copies of each piece.
@@ -221,9 +130,12 @@ class Layout:
     def piece_of(self, device: int, shape: tuple[int, ...]) -> tuple[IndexMask, ValueMask]:
         """The box and value part ``device`` holds of a tensor of ``shape``."""
         if len(shape) != len(self.dim_splits):
-            raise ValueError(f"layout {self} cuts {len(self.dim_splits)} dims; the tensor {tuple(shape)} has {len(shape)}")
+            raise ValueError(
+                f"layout {self} cuts {len(self.dim_splits)} dims; the tensor {tuple(shape)} has {len(shape)}"
+            )
         _, value_part, *chunks = self.coordinates(device)
-        ranges = tuple(chunk_bounds(size, parts)[chunk] for size, parts, chunk in zip(shape, self.dim_splits, chunks))
+        bounds = [chunk_bounds(size, parts) for size, parts in zip(shape, self.dim_splits)]
+        ranges = tuple(dim_bounds[chunk] for dim_bounds, chunk in zip(bounds, chunks))
         return IndexMask(ranges), ValueMask(value_part, self.value_parts)
 
     def pieces(self, shape: tuple[int, ...]) -> dict[int, tuple[IndexMask, ValueMask]]:
@@ -232,7 +144,8 @@ class Layout:
 
     def is_even(self, shape: tuple[int, ...]) -> bool:
         """Whether every split divides its dim (all pieces the same shape)."""
-        return len(shape) == len(self.dim_splits) and all(size % parts == 0 for size, parts in zip(shape, self.dim_splits))
+        splits = self.dim_splits
+        return len(shape) == len(splits) and all(size % parts == 0 for size, parts in zip(shape, splits))
 
     @classmethod
     def from_pieces(cls, shape: tuple[int, ...], pieces: Mapping[int, tuple[IndexMask, ValueMask]]) -> Layout | None:
@@ -275,7 +188,9 @@ class Layout:
         devices = tuple(columns[position][replica] for replica in range(self.replicas) for position in range(block))
         return self if devices == self.devices else Layout(self.replicas, self.value_parts, self.dim_splits, devices)
 
-    def regroup(self, source_axis: int, target_axis: int, factor: int) -> tuple[Layout, tuple[tuple[int, ...], ...]]:
+    def regroup(
+        self, source_axis: int, target_axis: int, factor: int
+    ) -> tuple[Layout, tuple[tuple[int, ...], ...]]:
         """Move the inner ``factor`` of one axis into another (see ``regroup_order``).
 
         Returns:
@@ -303,3 +218,135 @@ def _device_text(devices: tuple[int, ...]) -> str:
             items.extend(str(device) for device in devices[start:stop])
         start = stop
     return ",".join(items)
+
+
+# --- geometry the search reads, cached per layout or per counts ---------------------------------
+
+
+def row_major(coordinates: tuple[int, ...] | list[int], counts: tuple[int, ...]) -> int:
+    """Position of ``coordinates`` in a row-major array of shape ``counts``."""
+    position = 0
+    for coordinate, count in zip(coordinates, counts, strict=True):
+        position = position * count + coordinate
+    return position
+
+
+@lru_cache(maxsize=8192)
+def regroup_order(
+    counts: tuple[int, ...], source_axis: int, target_axis: int, factor: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """Move the inner ``factor`` of ``source_axis`` into the inner part of ``target_axis``.
+
+    The coordinate ``x`` on the source axis is ``x = outer * factor + inner``; afterwards the
+    source axis counts ``outer`` and the target axis coordinate becomes ``y * factor + inner``.
+    This is how every in-group transition rearranges the device array (see ``search.py``).
+
+    Returns:
+        The new counts; for each new position the old position of the device now there; and the
+        sub-groups (old positions) of devices that differ only in ``inner``, the devices a
+        collective for this move runs among.
+    """
+    new_counts = list(counts)
+    new_counts[source_axis] //= factor
+    new_counts[target_axis] *= factor
+    strides = [math.prod(counts[axis + 1 :]) for axis in range(len(counts))]
+    order, groups = [], {}
+    for new_coordinates in product(*(range(count) for count in new_counts)):
+        outer, inner = divmod(new_coordinates[target_axis], factor)
+        old_position = (
+            sum(coordinate * stride for coordinate, stride in zip(new_coordinates, strides))
+            + (outer - new_coordinates[target_axis]) * strides[target_axis]
+            + (new_coordinates[source_axis] * (factor - 1) + inner) * strides[source_axis]
+        )
+        order.append(old_position)
+        # The sub-group: devices with the same new coordinates except the inner part of the target axis.
+        key = new_coordinates[:target_axis] + (outer,) + new_coordinates[target_axis + 1 :]
+        groups.setdefault(key, []).append(old_position)
+    return tuple(new_counts), tuple(order), tuple(tuple(group) for group in groups.values())
+
+
+@lru_cache(maxsize=4096)
+def chunk_overlaps(size: int, have_parts: int, want_parts: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """Per chunk of a dim cut into ``want_parts``: the ``(chunk, start, stop)`` overlaps among ``have_parts`` chunks."""
+    have, want = chunk_bounds(size, have_parts), chunk_bounds(size, want_parts)
+    starts = [start for start, _ in have]
+    return tuple(
+        tuple(
+            (chunk, max(start, have[chunk][0]), min(stop, have[chunk][1]))
+            for chunk in range(bisect_right(starts, start) - 1, bisect_left(starts, stop))
+        )
+        for start, stop in want
+    )
+
+
+@lru_cache(maxsize=4096)
+def device_chunks(layout: Layout) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+    """``(device, value part, chunk per dim)`` for every device, in canonical order."""
+    entries = []
+    for position, device in enumerate(layout.devices):
+        chunks = []
+        for count in reversed(layout.dim_splits):
+            position, chunk = divmod(position, count)
+            chunks.append(chunk)
+        entries.append((device, position % layout.value_parts, tuple(reversed(chunks))))
+    return tuple(entries)
+
+
+@lru_cache(maxsize=4096)
+def piece_holders(layout: Layout) -> dict[tuple[int, tuple[int, ...]], tuple[int, ...]]:
+    """{(value part, chunk per dim): the devices holding that piece, replica 0 first}."""
+    holders: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for device, part, chunks in device_chunks(layout):
+        holders.setdefault((part, chunks), []).append(device)
+    return {piece: tuple(devices) for piece, devices in holders.items()}
+
+
+def value_sources(have_parts: int, want_parts: int, want_part: int) -> range:
+    """The held value parts that sum to part ``want_part`` of ``want_parts`` (empty: it is zeros).
+
+    Finer parts (``want_parts = m·have_parts``) follow ``ValueMask.split``: part ``k·m`` keeps
+    held part ``k``, the other ``m - 1`` are zeros. Coarser parts sum the held parts they are made
+    of. Otherwise part 0 sums all held parts and the others are zeros.
+    """
+    if want_parts % have_parts == 0:
+        ratio = want_parts // have_parts
+        return range(want_part // ratio, want_part // ratio + 1) if want_part % ratio == 0 else range(0)
+    if have_parts % want_parts == 0:
+        ratio = have_parts // want_parts
+        return range(want_part * ratio, (want_part + 1) * ratio)
+    return range(have_parts) if want_part == 0 else range(0)
+
+
+@lru_cache(maxsize=4096)
+def device_pieces(layout: Layout, shape: tuple[int, ...]) -> dict[int, tuple[tuple[tuple[int, int], ...], int]]:
+    """{device: (box ranges, value part)}: ``Layout.piece_of`` for all devices, as plain tuples."""
+    bounds = [chunk_bounds(size, parts) for size, parts in zip(shape, layout.dim_splits)]
+    return {
+        device: (tuple(dim_bounds[chunk] for dim_bounds, chunk in zip(bounds, chunks)), part)
+        for device, part, chunks in device_chunks(layout)
+    }
+
+
+@lru_cache(maxsize=4096)
+def overlap_table(
+    shape: tuple[int, ...], dtype_bytes: int, have_splits: tuple[int, ...], want_splits: tuple[int, ...]
+) -> dict[tuple[int, ...], tuple[tuple[tuple[int, ...], int, tuple[tuple[int, int], ...]], ...]]:
+    """{wanted chunks: ((held chunks, bytes, box) for every held piece the wanted box overlaps)}."""
+    per_dim = [
+        [[(chunk, stop - start, (start, stop)) for chunk, start, stop in overlaps] for overlaps in dim_overlaps]
+        for dim_overlaps in (chunk_overlaps(*split) for split in zip(shape, have_splits, want_splits))
+    ]
+    table = {}
+    for chunks in product(*(range(parts) for parts in want_splits)):
+        entries = []
+        for boxes in product(*(dim_overlaps[chunk] for dim_overlaps, chunk in zip(per_dim, chunks))):
+            held_chunks, lengths, ranges = zip(*boxes) if boxes else ((), (), ())
+            entries.append((held_chunks, dtype_bytes * math.prod(lengths), ranges))
+        table[chunks] = tuple(entries)
+    return table
+
+
+# Every cached table above, for ``search.clear_search_cache``.
+GEOMETRY_TABLES = (
+    chunk_bounds, regroup_order, chunk_overlaps, device_chunks, piece_holders, device_pieces, overlap_table,
+)  # fmt: skip

@@ -1,35 +1,50 @@
 """RVD search: the cheapest sequence of collectives that turns one layout into another.
 
 Pure planning: the result is a ``Path`` of ``Step``s (which collective, among which devices, how
-many bytes); nothing here touches torch.distributed or moves a tensor. The states are the layouts
-of ``layouts.py`` on the source or the target group, the edges the transitions of the table below,
-and Dijkstra finds the path of least cost under an injected ``CostModel``. A point-to-point
-fallback edge from the source straight to the target is always there, so every search has an
-answer, and uneven layouts (a split that does not divide its dim) get exactly that answer.
+many bytes); nothing here touches torch.distributed or moves a tensor. States are the layouts of
+``layouts.py`` on the source or the target group, edges the transitions of the table below, and
+Dijkstra finds the path of least cost under an injected ``CostModel``.
+
+The point-to-point fallback (every target box fetched from the first holder of each overlap) is
+an edge from the source straight to the target, so every search has an answer; uneven layouts
+(a split that does not divide its dim) get exactly that answer. Its volume is also a budget: no
+returned path puts more bytes on the wire than the fallback, and among those the search takes
+the cheapest.
 
 Transition table. ``f`` is a factor of the count moved; an in-group collective runs among the
 ``f`` devices whose coordinates differ only in the inner ``f``-part of the source axis, all such
 sub-groups at once (``layouts.regroup_order``). ``n`` is the message size of the cost formulas:
 
-    kind               axes      n (bytes per device)     volume per sub-group   effect on a device
-    all-reduce         V  → R    piece                    2(f-1)·n               sums f value parts
-    all-gather         Dk → R    piece·f (output)         (f-1)·n                joins f chunks of dim k
-    reduce-scatter     V  → Dk   piece (input)            (f-1)·n                sums f parts, keeps 1/f of dim k
-    all-to-all         Di → Dj   piece                    (f-1)·n                joins f chunks of i, keeps 1/f of j
-    local-chunk        R  → Dk   -                        0                      keeps 1/f of dim k
-    local-value-split  R  → V    -                        0                      part 0 keeps the value, others zeros
-    local              any → target, when every device already holds its target box: slice, zero-fill
+    kind               axes      n (bytes per device)   volume per sub-group   effect on a device
+    all-reduce         V  → R    piece                  2(f-1)·n               sums f value parts
+    all-gather         Dk → R    piece·f (output)       (f-1)·n                joins f chunks of dim k
+    reduce-scatter     V  → Dk   piece (input)          (f-1)·n                sums f parts, keeps 1/f of k
+    all-to-all         Di → Dj   piece                  (f-1)·n                joins f chunks of i, keeps 1/f of j
+    local-chunk        R  → Dk   -                      0                      keeps 1/f of dim k
+    local-value-split  R  → V    -                      0                      part 0 keeps the value, others zeros
+    local              → target  -                      0                      both of the above at once
+
+The local steps are taken as the last step whenever every device already holds its target box
+(the target decides which replica keeps which chunk); ``local-chunk`` is also an in-group move.
 
 Between groups (disjoint or of another size, e.g. a pipeline stage boundary), and as the last
 step onto the target: each target device fetches its box from holders of the overlapping source
-pieces; value parts it needs more of are summed on arrival, value parts it needs fewer of are
-zero-filled. ``n`` is the most bytes one device sends or receives, ``messages`` the most peers.
+pieces; value parts it needs more of are summed on arrival, the ones it needs fewer of become
+zeros. ``n`` is the most bytes one device sends or receives, ``messages`` the most peers it has.
 
     move       1:1   same R·V·D on both sides (or fewer replicas)   holders spread over replicas
     broadcast  1:k   same V·D, more replicas on the target side      holders spread over replicas
     scatter    1:k   same V, every target split a multiple of the source split
     gather     k:1   same V, every source split a multiple of the target split
-    p2p        any   the fallback: the first holder of each overlap sends it (the naive plan)
+    p2p        any   the fallback and the fix of a device order: first holder of each overlap
+
+Bounds on the state space, besides counts that divide the group and splits that divide their
+dim: a move takes the largest factor both ends allow (the source axis's excess over the target's
+count against what the target axis lacks), so it never undoes a count the target keeps, never
+goes beyond the target's count, and is one collective, not a chain of small ones. Partial sums
+are summed before they cross groups. Two moves may cut finer than the target where that pays: a
+reduce-scatter before a crossing (less crosses), and a local chunk of all replicas while partial
+sums remain (each replica sums a share, an all-gather joins the shares: hierarchical all-reduce).
 """
 
 from __future__ import annotations
@@ -41,19 +56,20 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from heapq import heappop, heappush
 from itertools import product
+from operator import itemgetter
 from typing import Literal, Protocol
 
 from lightning_nnscaler.ir.tensor import IndexMask, ValueMask
 from lightning_nnscaler.materialize.layouts import (
     FIRST_DIM_AXIS,
+    GEOMETRY_TABLES,
     REPLICA_AXIS,
     VALUE_AXIS,
     Layout,
-    chunk_bounds,
-    chunk_overlaps,
     device_chunks,
+    device_pieces,
+    overlap_table,
     piece_holders,
-    regroup_order,
     value_sources,
 )
 
@@ -198,7 +214,10 @@ def search(
     shape = tuple(shape)
     for name, layout in (("source", source), ("target", target)):
         if len(layout.dim_splits) != len(shape):
-            raise ValueError(f"{name} layout {layout} cuts {len(layout.dim_splits)} dims; the tensor {shape} has {len(shape)}")
+            raise ValueError(
+                f"{name} layout {layout} cuts {len(layout.dim_splits)} dims; the tensor {shape} has {len(shape)}: "
+                "give the layout one split count per dim"
+            )
     return _search(shape, dtype_bytes, source, target, cost)
 
 
@@ -212,7 +231,7 @@ def p2p_path(
 
 def clear_search_cache() -> None:
     """Forget every cached search and helper table (to time uncached searches)."""
-    for cached in (_search, _device_pieces, _overlap_table, chunk_bounds, chunk_overlaps, device_chunks, piece_holders, regroup_order):
+    for cached in (_search, *GEOMETRY_TABLES):
         cached.cache_clear()
 
 
@@ -251,7 +270,7 @@ def _search(shape: tuple[int, ...], dtype_bytes: int, source: Layout, target: La
         layout, step = parent[layout]
         steps.append(step)
     steps.reverse()
-    return Path(source, target, tuple(steps), sum(map(cost.step_cost, steps)), sum(step.volume for step in steps))
+    return Path(source, target, tuple(steps), sum(map(cost.step_cost, steps)), sum(s.volume for s in steps))
 
 
 def _edges(
@@ -259,12 +278,9 @@ def _edges(
 ) -> Iterator[Step]:
     """Every step out of ``layout`` that may fit in ``budget`` more bytes on the wire.
 
-    Bounds on the state space (besides even splits and counts that divide the group size): no
-    move undoes a count the target keeps or goes beyond the target's count (a finer split is
-    only gathered again); a value split only as the last step (partial sums of replicated data
-    add a reduction and nothing else); partial sums are summed before they cross groups;
-    point-to-point finishes come from the source and from layouts on the target group with the
-    target's counts (to fix the device order).
+    Finishes onto the target: a local step when every device holds its target box; otherwise the
+    fallback from the source, and a p2p from layouts on the target group with the target's counts
+    (a device-order fix). Then the in-group moves, and from the source group the crossings.
     """
     on_target = layout.group == goal.group
     finish = _local_finish_kind(shape, layout, goal) if on_target else None
@@ -274,7 +290,7 @@ def _edges(
         yield fallback
     elif on_target and layout.counts == goal.counts:
         yield _exchange_step("p2p", shape, dtype_bytes, layout, goal)
-    yield from _in_group_steps(shape, dtype_bytes, layout, goal.counts)
+    yield from _in_group_steps(shape, dtype_bytes, layout, goal.counts, before_crossing=not on_target)
     if not on_target:
         disjoint = layout.group.isdisjoint(goal.group)
         for kind, after in _crossings(shape, layout, goal):
@@ -290,9 +306,18 @@ def _fetched_bytes(shape: tuple[int, ...], dtype_bytes: int, before: Layout, aft
     return piece_bytes * parts * after.replicas * math.prod(after.dim_splits)
 
 
-def _in_group_steps(shape: tuple[int, ...], dtype_bytes: int, layout: Layout, goal_counts: tuple[int, ...]) -> Iterator[Step]:
+def _in_group_steps(
+    shape: tuple[int, ...], dtype_bytes: int, layout: Layout, goal_counts: tuple[int, ...], *, before_crossing: bool
+) -> Iterator[Step]:
+    """Collectives and local chunks within the group of ``layout``, toward ``goal_counts``.
+
+    Two moves may cut finer than the goal: a reduce-scatter before a crossing to another group
+    (what crosses shrinks), and a local chunk of replicas while partial sums are still to be
+    added (each replica then sums a share; an all-gather joins the shares again).
+    """
     counts = layout.counts
     piece_bytes = math.prod(shape) // math.prod(layout.dim_splits) * dtype_bytes
+    sums_ahead = goal_counts[VALUE_AXIS] % counts[VALUE_AXIS] != 0  # partial sums still to add up
     dim_axes = range(FIRST_DIM_AXIS, len(counts))
     moves = [(VALUE_AXIS, REPLICA_AXIS, "all-reduce")]
     moves += [(axis, REPLICA_AXIS, "all-gather") for axis in dim_axes]
@@ -306,6 +331,11 @@ def _in_group_steps(shape: tuple[int, ...], dtype_bytes: int, layout: Layout, go
         excess = counts[source_axis] // math.gcd(counts[source_axis], goal_counts[source_axis])
         lacking, rest = divmod(goal_counts[target_axis], counts[target_axis])
         factor = math.gcd(excess, lacking) if rest == 0 else 1
+        if (kind == "reduce-scatter" and before_crossing) or (kind == "local-chunk" and sums_ahead):
+            # Cut finer than the goal where it pays: a reduce-scatter before a crossing sends less
+            # across; replicas that split the data before a reduction sum less each (gathered after).
+            factor = counts[source_axis] if kind == "local-chunk" else excess
+            factor = factor if shape[target_axis - FIRST_DIM_AXIS] % (counts[target_axis] * factor) == 0 else 1
         if factor == 1:
             continue
         after, groups = layout.regroup(source_axis, target_axis, factor)
@@ -340,34 +370,20 @@ def _crossings(shape: tuple[int, ...], layout: Layout, goal: Layout) -> Iterator
         yield kind, Layout(replicas, value_parts, splits, goal.devices).normalized()
 
 
-def _divisors(number: int, smallest: int = 2) -> list[int]:
-    return [factor for factor in range(smallest, number + 1) if number % factor == 0]
-
-
 def _local_finish_kind(shape: tuple[int, ...], layout: Layout, goal: Layout) -> str | None:
     """The local step that ends at ``goal`` when every device holds its target box already, else None."""
-    have, want = _device_pieces(layout, shape), _device_pieces(goal, shape)
+    have, want = device_pieces(layout, shape), device_pieces(goal, shape)
     shrinks = splits = False
     for device, (ranges, part) in want.items():
         held_ranges, held_part = have[device]
-        if any(start < held_start or stop > held_stop for (start, stop), (held_start, held_stop) in zip(ranges, held_ranges)):
-            return None
+        if any(start < low or stop > high for (start, stop), (low, high) in zip(ranges, held_ranges)):
+            return None  # the device lacks part of its target box
         if layout.value_parts == 1:
             splits = splits or goal.value_parts > 1
         elif (layout.value_parts, held_part) != (goal.value_parts, part):
             return None
         shrinks = shrinks or ranges != held_ranges
     return "local" if shrinks and splits else "local-chunk" if shrinks else "local-value-split"
-
-
-@lru_cache(maxsize=4096)
-def _device_pieces(layout: Layout, shape: tuple[int, ...]) -> dict[int, tuple[tuple[tuple[int, int], ...], int]]:
-    """{device: (box ranges, value part)}: ``Layout.piece_of`` for all devices, as plain tuples."""
-    bounds = [chunk_bounds(size, parts) for size, parts in zip(shape, layout.dim_splits)]
-    return {
-        device: (tuple(dim_bounds[chunk] for dim_bounds, chunk in zip(bounds, chunks)), part)
-        for device, part, chunks in device_chunks(layout)
-    }
 
 
 def _exchange_step(kind: str, shape: tuple[int, ...], dtype_bytes: int, before: Layout, after: Layout) -> Step:
@@ -392,7 +408,7 @@ def _exchange(
         transfers when ``keep``.
     """
     holders = piece_holders(before)
-    overlaps = _overlap_table(shape, dtype_bytes, before.dim_splits, after.dim_splits)
+    overlaps = overlap_table(shape, dtype_bytes, before.dim_splits, after.dim_splits)
     wanted = [value_sources(before.value_parts, after.value_parts, part) for part in range(after.value_parts)]
     spread = kind != "p2p"
     sent: defaultdict[int, int] = defaultdict(int)
@@ -410,26 +426,8 @@ def _exchange(
                 received[device] += nbytes
                 peers.add((holder, device))
                 if keep:
-                    transfers.append(Transfer(holder, device, IndexMask(ranges), ValueMask(source_part, before.value_parts)))
-    peer_counts = [*Counter(source for source, _ in peers).values(), *Counter(target for _, target in peers).values()]
+                    value = ValueMask(source_part, before.value_parts)
+                    transfers.append(Transfer(holder, device, IndexMask(ranges), value))
+    peer_counts = [*Counter(map(itemgetter(0), peers)).values(), *Counter(map(itemgetter(1), peers)).values()]
     totals = (sum(sent.values()), max([*sent.values(), *received.values(), 0]), max(peer_counts, default=0))
     return totals, tuple(transfers)
-
-
-@lru_cache(maxsize=4096)
-def _overlap_table(
-    shape: tuple[int, ...], dtype_bytes: int, have_splits: tuple[int, ...], want_splits: tuple[int, ...]
-) -> dict[tuple[int, ...], tuple[tuple[tuple[int, ...], int, tuple[tuple[int, int], ...]], ...]]:
-    """{wanted chunks: ((held chunks, bytes, box) for every held piece the wanted box overlaps)}."""
-    per_dim = [chunk_overlaps(*split) for split in zip(shape, have_splits, want_splits)]
-    return {
-        chunks: tuple(
-            (
-                tuple(chunk for chunk, _, _ in boxes),
-                dtype_bytes * math.prod(stop - start for _, start, stop in boxes),
-                tuple((start, stop) for _, start, stop in boxes),
-            )
-            for boxes in product(*(dim_overlaps[chunk] for dim_overlaps, chunk in zip(per_dim, chunks)))
-        )
-        for chunks in product(*(range(parts) for parts in want_splits))
-    }

@@ -69,3 +69,4 @@ def train_recipes(rank: int, world_size: int, model_name: str, recipes: list[tup
         shards = [(shard.state_key, shard.box, shard.tensor) for shard in executor.full_shards().values()]
         results[recipe] = {"losses": losses, "shards": shards}
     return results
+

@@ -2,10 +2,11 @@
 
 The graphs are the reference models (GPT, Swin, MBart, Evoformer; their ``small()`` configs and
 training steps) and five third-party models built from configs (Hugging Face GPT-2, BERT, T5; timm
-Swin and ViT; dropout 0, nothing downloaded). Each graph is traced once, run through the reference
-interpreter while every op's inputs are recorded, and reduced to one ``OpCase`` per distinct
-(target, annotation, input shapes and dtypes, output shapes). An OpCase becomes a one-op ``Graph`` whose
-inputs are the op's tensor inputs, so ``op_trans`` can be checked on it in isolation.
+Swin and ViT; dropout 0, nothing downloaded), plus an "op zoo" of the ops that have a rule but that
+no model produces. Each graph is traced once and run through the reference interpreter while every
+op's inputs are recorded; the calls reduce to one ``OpCase`` per distinct (target, annotation,
+input shapes and dtypes, output shapes). An OpCase becomes a one-op ``Graph`` whose inputs are the
+op's tensor inputs, so that ``op_trans`` can be checked on it in isolation (``check_split``).
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from lightning_nnscaler.ir.op import Op, resolve_target
 BATCH = 2
 SEED = 0
 
-# Ops whose results depend on a random stream: a split changes the draws, so no equivalence holds.
-RANDOM_TARGETS = frozenset({
+# Ops whose results cannot be compared between two runs: random draws (a split changes them) and
+# uninitialized memory. Dropout counts only with p > 0 (see ``is_uncomparable``).
+UNCOMPARABLE_TARGETS = frozenset({
     "aten.bernoulli.p", "aten.bernoulli.default", "aten.rand_like.default", "aten.randn_like.default",
     "aten.rand.default", "aten.randn.default", "aten.randint.low", "aten.randperm.default",
-    "aten.native_dropout.default",
+    "aten.native_dropout.default", "aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default",
 })
 
 
@@ -43,7 +45,8 @@ class _LanguageModelLoss(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        labels = input_ids if labels is None else labels
         return self.model(input_ids=input_ids, labels=labels).loss
 
 
@@ -74,11 +77,8 @@ def _reference(name: str) -> Built:
     return model, model.example_batch(BATCH, generator=torch.Generator().manual_seed(SEED)), "training_step"
 
 
-def _token_batch(length: int, label_length: int, low: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(SEED)
-    ids = torch.randint(low, 128, (BATCH, length), generator=generator)
-    labels = ids if label_length == length else torch.randint(low, 128, (BATCH, label_length), generator=generator)
-    return ids, labels
+def _tokens(length: int, low: int = 0, seed: int = SEED) -> torch.Tensor:
+    return torch.randint(low, 128, (BATCH, length), generator=torch.Generator().manual_seed(seed))
 
 
 def _hf_gpt2() -> Built:
@@ -88,7 +88,7 @@ def _hf_gpt2() -> Built:
         n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
         attn_pdrop=0, resid_pdrop=0, embd_pdrop=0, use_cache=False,
     )
-    return _LanguageModelLoss(transformers.GPT2LMHeadModel(config)), _token_batch(16, 16), None
+    return _LanguageModelLoss(transformers.GPT2LMHeadModel(config)), (_tokens(16),), None
 
 
 def _hf_bert() -> Built:
@@ -98,7 +98,7 @@ def _hf_bert() -> Built:
         vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
         max_position_embeddings=32, hidden_dropout_prob=0, attention_probs_dropout_prob=0,
     )
-    return _LanguageModelLoss(transformers.BertForMaskedLM(config)), _token_batch(16, 16), None
+    return _LanguageModelLoss(transformers.BertForMaskedLM(config)), (_tokens(16),), None
 
 
 def _hf_t5() -> Built:
@@ -109,7 +109,7 @@ def _hf_t5() -> Built:
         decoder_start_token_id=0, pad_token_id=0, use_cache=False,
     )
     # Labels shorter than the inputs: cross-attention is not square.
-    return _LanguageModelLoss(transformers.T5ForConditionalGeneration(config)), _token_batch(16, 8, low=1), None
+    return _LanguageModelLoss(transformers.T5ForConditionalGeneration(config)), (_tokens(16, low=1), _tokens(8, low=1, seed=1)), None
 
 
 def _timm(name: str, **overrides: Any) -> Callable[[], Built]:
@@ -126,37 +126,40 @@ def _timm(name: str, **overrides: Any) -> Callable[[], Built]:
 
 
 class _OpZoo(nn.Module):
-    """Calls the ops that have a rule but that none of the models above produce, so that their
-    rules are checked too. Every result is summed into one scalar."""
+    """Calls the ops that have a rule but that none of the models produce, so that those rules are
+    checked too. Every result is summed into one scalar."""
 
     def __init__(self) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(8, 12))
         self.conv = nn.Conv1d(12, 4, 3, padding=1)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # x (4, 8, 12), ids (4, 8) < 12
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x (4, 8, 12) floats, ids (4, 8) ints below 12."""
         scores = torch.bmm(x, x.transpose(1, 2))  # (4, 8, 8)
-        results = [
-            scores, torch.mm(x[0], self.weight.t()), torch.baddbmm(scores, x, x.transpose(1, 2), beta=0.5),
-            torch.tril(scores), torch.triu(scores, 1),
-            x.var(dim=-1, keepdim=True), x.std(dim=1), x.amax(-1, keepdim=True), x.amin(1), x.max(dim=-1)[0],
-            x.min(dim=1)[1].float(), x.argmax(-1).float(), torch.logsumexp(x, dim=-1), F.log_softmax(x, dim=-1),
-            torch.linalg.vector_norm(x, dim=-1), x.prod(dim=-1), (x > 0).any(dim=-1).float(), (x > -5).all(dim=1).float(),
-            torch.stack([part.sum(-1) for part in torch.split(x, [4, 8], dim=-1)], dim=-1), torch.chunk(x, 2, dim=1)[1],
-            F.pad(x, (1, 3), value=1.0), F.pad(x, (2, 2)), x.flip(0), x.reshape(4, 96).unflatten(1, (8, 12)),
-            x[:, :1].squeeze(1), x[:, :, :1].squeeze(), torch.exp(-x.abs()), F.silu(x), torch.clamp(x, -1, 1),
-            torch.sqrt(x.abs() + 1), torch.sin(x) * torch.cos(x), torch.maximum(x, x.flip(0)), torch.where(x > 0, 1.0, x),
-            x.abs().pow(x), 2 - x, F.softplus(x), F.elu(x), F.leaky_relu(x), torch.erf(x), F.hardtanh(x),
-            torch.reciprocal(x.abs() + 1), x.type_as(ids), self.conv(x.transpose(1, 2)),
-            F.nll_loss(F.log_softmax(x, -1).reshape(32, 12), ids.reshape(32), reduction="sum"),
-            x.new_full((4, 8), 2.0) * torch.ones(4, 8) + torch.full((4, 8), 3.0), torch.arange(2, 10) * 1.0,
-            torch.arange(0, 16, 2) * 1.0, torch.var(x, 1, correction=0), torch.std(x, -1, correction=2, keepdim=True),
-            x.argmin(1).float(), x.clamp_min(0) + x.clamp_max(0), torch.floor(x) + torch.ceil(x) + torch.round(x) + torch.sign(x),
-            torch.log1p(x.abs()), torch.minimum(x, -x), F.mish(x), torch.constant_pad_nd(x, [0, 0, 1, 1], 0.0),
-            x[:, :, :1].squeeze((2,)), x.masked_fill(x < 0, 0.5), torch.isnan(x).float(), torch.logical_not(x > 0).float(),
-            ((x > 0) & (x < 1) | (x > 2)).float(), F.softmax(x, dim=1), x.mean(dim=-1),
+        products = [scores, torch.mm(x[0], self.weight.t()), torch.baddbmm(scores, x, x.transpose(1, 2), beta=0.5), self.conv(x.transpose(1, 2))]
+        reductions = [
+            x.var(dim=-1, keepdim=True), x.std(dim=1), torch.var(x, 1, correction=0), torch.std(x, -1, correction=2, keepdim=True),
+            x.amax(-1, keepdim=True), x.amin(1), x.max(dim=-1)[0], x.min(dim=1)[1], x.argmax(-1), x.argmin(1),
+            torch.logsumexp(x, dim=-1), torch.linalg.vector_norm(x, dim=-1), x.prod(dim=-1), x.mean(dim=-1),
+            (x > 0).any(dim=-1), (x > -5).all(dim=1),
         ]
-        return sum(result.float().sum() for result in results)
+        along_a_dim = [
+            torch.tril(scores), torch.triu(scores, 1), F.log_softmax(x, dim=-1), F.softmax(x, dim=1),
+            torch.stack([part.sum(-1) for part in torch.split(x, [4, 8], dim=-1)], dim=-1), torch.chunk(x, 2, dim=1)[1],
+            F.pad(x, (1, 3), value=1.0), F.pad(x, (2, 2)), torch.constant_pad_nd(x, [0, 0, 1, 1], 0.0), x.flip(0),
+            F.nll_loss(F.log_softmax(x, -1).reshape(32, 12), ids.reshape(32), reduction="sum"),
+        ]
+        shapes = [x.reshape(4, 96).unflatten(1, (8, 12)), x[:, :1].squeeze(1), x[:, :, :1].squeeze(), x[:, :, :1].squeeze((2,)), x.type_as(ids)]
+        elementwise = [
+            torch.exp(-x.abs()), F.silu(x), torch.clamp(x, -1, 1), x.clamp_min(0), x.clamp_max(0), torch.sqrt(x.abs() + 1),
+            torch.sin(x), torch.cos(x), torch.maximum(x, x.flip(0)), torch.minimum(x, -x), torch.where(x > 0, 1.0, x),
+            x.abs().pow(x), 2 - x, F.softplus(x), F.elu(x), F.leaky_relu(x), F.mish(x), torch.erf(x), F.hardtanh(x),
+            torch.reciprocal(x.abs() + 1), torch.floor(x), torch.ceil(x), torch.round(x), torch.sign(x), torch.log1p(x.abs()),
+            x.masked_fill(x < 0, 0.5), torch.isnan(x), torch.logical_not(x > 0), (x > 0) & (x < 1) | (x > 2),
+        ]
+        factories = [x.new_full((4, 8), 2.0), torch.ones(4, 8), torch.full((4, 8), 3.0), torch.arange(2, 10), torch.arange(0, 16, 2)]
+        return sum(result.float().sum() for result in products + reductions + along_a_dim + shapes + elementwise + factories)
 
 
 def _op_zoo() -> Built:
@@ -181,8 +184,8 @@ MODELS: dict[str, Callable[[], Built]] = {
 }
 MODEL_NAMES = tuple(MODELS)
 ZOO = "op_zoo"
-"""Not a model: the ops with a rule that the models do not produce. Its cases join the split checks."""
-MODELS[ZOO] = _op_zoo
+"""Not a model: the ops that have a rule but that no model produces. Its cases join the split checks."""
+_BUILDERS = {**MODELS, ZOO: _op_zoo}
 
 
 @contextlib.contextmanager
@@ -201,7 +204,7 @@ def single_threaded() -> Iterator[None]:
 def traced(model_name: str) -> tuple[Graph, dict[str, torch.Tensor]]:
     """The model's graph and a value for each of its inputs (parameters, buffers, the batch)."""
     torch.manual_seed(SEED)
-    module, example, step = MODELS[model_name]()
+    module, example, step = _BUILDERS[model_name]()
     module.train()  # dropout is 0 everywhere; training mode is what a plan parallelizes
     graph = lnn.trace(module, example, step=step)
     inputs = {name: value.detach() for name, value in lnn.bind_inputs(graph, module, example, step=step).items()}
@@ -291,9 +294,9 @@ class OpCase:
         return [(choice, parts) for choice in self.split_choices() for parts in parts_options if self.allows(choice, parts)]
 
 
-def is_random(op: Op) -> bool:
-    """Whether the op draws random numbers (dropout with ``p > 0`` included)."""
-    if op.target in RANDOM_TARGETS:
+def is_uncomparable(op: Op) -> bool:
+    """Whether the op's result varies from run to run (dropout with ``p > 0`` included)."""
+    if op.target in UNCOMPARABLE_TARGETS:
         return True
     if op.target == "aten.dropout.default":
         probability = op.args[1] if len(op.args) > 1 else op.kwargs_dict.get("p", 0.0)
@@ -332,13 +335,13 @@ def _case_key(op: Op) -> tuple[Any, ...]:
 
 @functools.lru_cache(maxsize=None)
 def model_op_cases(model_name: str) -> tuple[OpCase, ...]:
-    """The distinct op calls of one model's graph (random ops excluded)."""
+    """The distinct op calls of one model's graph (ops whose results cannot be compared left out)."""
     graph, inputs = traced(model_name)
     cases: dict[tuple[Any, ...], OpCase] = {}
     with single_threaded():
         recorded = _recorded(graph, inputs)
     for op, values in recorded:
-        if not is_random(op):
+        if not is_uncomparable(op):
             cases.setdefault(_case_key(op), OpCase(model_name, op, values))
     return tuple(cases.values())
 

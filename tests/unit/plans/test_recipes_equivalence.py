@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import traced
+from plans_support import traced
 
 import lightning_nnscaler as lnn
 

@@ -1,7 +1,8 @@
 """Every split an op's annotation allows is exact, for every op kind the project's graphs contain.
 
 The cases are the distinct op calls (target, annotation, input shapes and dtypes) of nine traced
-models, each with the input values it really receives (``tests/support/op_cases.py``). A case
+models, each with the input values it really receives, plus those of an "op zoo" that calls the
+ops with a rule that no model produces (``tests/support/op_cases.py``). A case
 becomes a one-op graph; ``op_trans`` splits it by a dim name or by value into 2 or 4 pieces on
 devices 0..parts-1, and the reference interpreter must reproduce the op's outputs and input
 gradients (rtol 1e-5, in float64 so that only the split is measured).
@@ -15,16 +16,18 @@ import pytest
 import torch
 from hypothesis import assume, given, note, settings
 from hypothesis import strategies as st
-from support.op_cases import MODEL_NAMES, OpCase, all_op_cases, cases_by_target, check_split, single_threaded
+from support.op_cases import MODEL_NAMES, ZOO, OpCase, all_op_cases, cases_by_target, check_split, single_threaded
 
 import lightning_nnscaler as lnn
 from lightning_nnscaler.capture.registry import rule_for
 from lightning_nnscaler.primitives import TransformError
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
+@pytest.fixture(scope="module")
+def traced_once() -> Iterator[None]:
+    """Trace and record every graph (~25 s) as setup, and run the checks on one torch thread."""
     with single_threaded():
+        all_op_cases(with_zoo=True)
         yield
 
 
@@ -39,10 +42,10 @@ def _format_failure(case: OpCase, choice: str, parts: int, error: Exception) -> 
     return f"{case!r} split by {choice!r} into {parts}: {type(error).__name__}: {first_line}"
 
 
-@pytest.mark.parametrize("model", MODEL_NAMES)
-def test_every_allowed_split_of_every_op_is_equivalent(model: str) -> None:
+@pytest.mark.parametrize("model", MODEL_NAMES + (ZOO,))
+def test_every_allowed_split_of_every_op_is_equivalent(traced_once: None, model: str) -> None:
     """Exhaustive: all cases first seen in ``model`` x every allowed (dim | value) x parts in {2, 4}."""
-    cases = [case for case in all_op_cases() if case.model == model]
+    cases = [case for case in all_op_cases(with_zoo=True) if case.model == model]
     failures, checked = [], 0
     for case in cases:
         for choice, parts in case.allowed_splits():
@@ -55,16 +58,17 @@ def test_every_allowed_split_of_every_op_is_equivalent(model: str) -> None:
     assert not failures, f"{len(failures)} of {checked} splits differ from the single op:\n" + "\n".join(failures)
 
 
-def test_every_op_kind_has_a_split_to_check() -> None:
-    unchecked = {target for target, cases in cases_by_target().items() if not any(case.allowed_splits() for case in cases)}
+def test_every_op_kind_has_a_split_to_check(traced_once: None) -> None:
+    grouped = cases_by_target(with_zoo=True)
+    unchecked = {target for target, cases in grouped.items() if not any(case.allowed_splits() for case in cases)}
     assert unchecked == set(NOTHING_TO_SPLIT)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(data=st.data())
-def test_random_split_is_equivalent(data: st.DataObject) -> None:
+def test_random_split_is_equivalent(traced_once: None, data: st.DataObject) -> None:
     """Draw an op kind, one of its calls, a split its annotation allows and a number of parts."""
-    grouped = {target: [case for case in cases if case.split_choices()] for target, cases in cases_by_target().items()}
+    grouped = {target: [case for case in cases if case.split_choices()] for target, cases in cases_by_target(with_zoo=True).items()}
     target = data.draw(st.sampled_from(sorted(target for target, cases in grouped.items() if cases)), label="target")
     case = data.draw(st.sampled_from(grouped[target]), label="case")
     choice = data.draw(st.sampled_from(case.split_choices()), label="split by")
