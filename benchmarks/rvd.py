@@ -64,7 +64,8 @@ def layout_of(mesh_shape: tuple[int, ...], placements: tuple[Placement, ...], ra
 
 def dtensor_row(shape: tuple[int, ...], mesh_shape: tuple[int, ...], source: tuple, target: tuple) -> Row:
     rank = len(shape)
-    return Row(shape, layout_of(mesh_shape, source, rank), layout_of(mesh_shape, target, rank), mesh_shape, source, target)
+    source_layout, target_layout = layout_of(mesh_shape, source, rank), layout_of(mesh_shape, target, rank)
+    return Row(shape, source_layout, target_layout, mesh_shape, source, target)
 
 
 def layout_row(shape: tuple[int, ...], source: str, target: str) -> Row:
@@ -207,7 +208,8 @@ def main() -> None:
         print("| " + " | ".join(cell.ljust(width) for cell, width in zip(line, widths)) + " |")
         if index == 0:
             print("|-" + "-|-".join("-" * width for width in widths) + "-|")
-    print(f"\nsearch time per uncached case: median {statistics.median(times) * 1e3:.2f} ms, max {max(times) * 1e3:.2f} ms")
+    median, worst = statistics.median(times) * 1e3, max(times) * 1e3
+    print(f"\nsearch time per uncached case: median {median:.2f} ms, max {worst:.2f} ms")
     print("\nrows as R·V·D layouts (devices in canonical order):")
     for number, row in enumerate(ROWS, 1):
         print(f"  {number:2}. {row.source} → {row.target}")

@@ -90,11 +90,6 @@ class Layout:
             raise ValueError(f"layout {self}: a device appears twice in {self.devices}")
 
     @classmethod
-    def replicated(cls, devices: tuple[int, ...] | range, rank: int) -> Layout:
-        """A tensor of ``rank`` dims copied whole to every device of ``devices``."""
-        return cls(len(devices), 1, (1,) * rank, tuple(devices))
-
-    @classmethod
     def parse(cls, text: str) -> Layout:
         """Read the text form, e.g. ``"R2V1D(1,4)@[0..7]"`` or ``"R1V2D(2)@[0,2,1,3]"``."""
         match = _TEXT.match(text.replace(" ", ""))

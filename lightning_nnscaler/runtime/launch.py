@@ -76,7 +76,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
                 if process.is_alive():
                     process.terminate()
                 process.join(5)
-        return [pickle.loads(Path(result_dir, f"rank{rank}.pkl").read_bytes())[1] for rank in range(world_size)]
+        return [_result(result_dir, rank) for rank in range(world_size)]
 
 
 def _wait(processes: list[Any], deadline: float, result_dir: str) -> None:
@@ -90,6 +90,12 @@ def _wait(processes: list[Any], deadline: float, result_dir: str) -> None:
     for rank, process in enumerate(processes):
         if process.exitcode != 0:
             raise LaunchError(_failure(rank, process.exitcode, result_dir))
+
+
+def _result(result_dir: str, rank: int) -> Any:
+    """A rank's result; ``None`` for a rank that exited cleanly without returning."""
+    path = Path(result_dir, f"rank{rank}.pkl")
+    return pickle.loads(path.read_bytes())[1] if path.exists() else None
 
 
 def _failure(rank: int, exitcode: int | None, result_dir: str) -> str:

@@ -70,3 +70,27 @@ def train_recipes(rank: int, world_size: int, model_name: str, recipes: list[tup
         results[recipe] = {"losses": losses, "shards": shards}
     return results
 
+
+
+def die_mid_step(rank: int, world_size: int) -> tuple[str, float]:
+    """Rank 1 vanishes after setup, before its first step; rank 0 must fail on its own.
+
+    Returns (the error rank 0 got, seconds from starting the step to that error).
+    """
+    import os
+    import time
+
+    model, batch_size = build_model("gpt")
+    batch = batches(model, batch_size, 1)[0]
+    plan = lnn.parallelize(model, batch, "tp", world_size, step="training_step")
+    state = dict(model.named_parameters())
+    executor = RankExecutor(module_from_source(plan.sources[rank], f"rank{rank}"), rank, state, {}, TorchDistributedCommunicator(timeout=30))
+    if rank == 1:
+        os._exit(0)
+    inputs = {tensor.name: value for tensor, value in zip(plan.graph.user_inputs, lnn.flatten_inputs(batch, step="training_step"))}
+    start = time.monotonic()
+    try:
+        executor.forward_backward(inputs)
+    except Exception as error:  # noqa: BLE001 - the error itself is the result
+        return type(error).__name__, time.monotonic() - start
+    return "no error", time.monotonic() - start

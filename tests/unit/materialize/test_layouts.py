@@ -12,7 +12,10 @@ from lightning_nnscaler.materialize.layouts import FIRST_DIM_AXIS, REPLICA_AXIS,
 
 @pytest.mark.parametrize(
     "text",
-    ["R2V1D(1,4)@[0..7]", "R1V2D(2)@[0,2,1,3]", "R2V1D(1)@[4,5]", "R1V1D()@[3]", "R1V1D(4,2)@[8..15]", "R4V2D(1)@[0..3,8..11]"],
+    [
+        "R2V1D(1,4)@[0..7]", "R1V2D(2)@[0,2,1,3]", "R2V1D(1)@[4,5]", "R1V1D()@[3]", "R1V1D(4,2)@[8..15]",
+        "R4V2D(1)@[0..3,8..11]",
+    ],  # fmt: skip
 )
 def test_text_round_trip(text: str) -> None:
     assert str(Layout.parse(text)) == text
@@ -94,8 +97,9 @@ def test_from_pieces_rejects_irregular_sets() -> None:
     assert Layout.from_pieces(shape, {0: half[0], 1: half[1]}) == Layout.parse("R1V1D(2)@[0,1]")
     assert Layout.from_pieces(shape, {0: half[0], 1: half[1], 2: half[0]}) is None  # replicas differ per piece
     assert Layout.from_pieces(shape, {0: half[0]}) is None  # misses part of the tensor
-    assert Layout.from_pieces(shape, {0: (IndexMask(((0, 3),)), ValueMask()), 1: (IndexMask(((3, 8),)), ValueMask())}) is None
-    assert Layout.from_pieces(shape, {0: whole, 1: (IndexMask(((0, 8),)), ValueMask(0, 2))}) is None  # mixed value splits
-    assert Layout.from_pieces(shape, {0: (whole[0], ValueMask(0, 2)), 1: (whole[0], ValueMask(0, 2))}) is None  # part 1 missing
+    uneven = {0: (IndexMask(((0, 3),)), ValueMask()), 1: (IndexMask(((3, 8),)), ValueMask())}
+    assert Layout.from_pieces(shape, uneven) is None  # not the chunks of chunk_bounds(8, 2)
+    assert Layout.from_pieces(shape, {0: whole, 1: (whole[0], ValueMask(0, 2))}) is None  # mixed value splits
+    assert Layout.from_pieces(shape, {0: (whole[0], ValueMask(0, 2)), 1: (whole[0], ValueMask(0, 2))}) is None  # no part 1
     assert Layout.from_pieces((8, 8), {0: whole}) is None  # wrong rank
     assert Layout.from_pieces(shape, {}) is None

@@ -137,7 +137,8 @@ def test_typical_searches_take_milliseconds() -> None:
 def execute(path: Path, shape: tuple[int, ...], parts: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """Run ``path`` on the source pieces cut from ``parts`` (value part v holds ``parts[v]``)."""
     full = IndexMask.full(shape)
-    held = {device: parts[value.part][index.slices_within(full)] for device, (index, value) in path.source.pieces(shape).items()}
+    pieces = path.source.pieces(shape)
+    held = {device: parts[value.part][index.slices_within(full)] for device, (index, value) in pieces.items()}
     for step in path.steps:
         held = _run_step(step, shape, held)
     return held
