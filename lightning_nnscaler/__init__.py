@@ -14,11 +14,13 @@ from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.tensor import IndexMask, PTensor, ValueMask, VTensor
 from lightning_nnscaler.ir.validate import validate_plan
 from lightning_nnscaler.parallelize import Plan, build_plan, parallelize
+from lightning_nnscaler.plans.catalog import apply_recipe, list_recipes, load_recipe
+from lightning_nnscaler.plans.context import PlanContext
 from lightning_nnscaler.primitives import Constraints, op_assign, op_order, op_trans
 from lightning_nnscaler.verify import assert_equivalent
 
 __all__ = [
     "CaptureError", "Constraints", "DimAnnotation", "Graph", "IndexMask", "Op", "PTensor", "ValueMask", "VTensor",
     "assert_equivalent", "bind_inputs", "flatten_inputs", "op_assign", "op_order", "op_trans", "register_annotation", "run_graph",
-    "Plan", "build_plan", "parallelize", "trace", "validate_plan",
+    "Plan", "PlanContext", "apply_recipe", "build_plan", "list_recipes", "load_recipe", "parallelize", "trace", "validate_plan",
 ]

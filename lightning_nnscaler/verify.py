@@ -25,8 +25,8 @@ class Evaluation:
 def evaluate(graph: Graph, inputs: dict[str, torch.Tensor], seed: int = 0) -> Evaluation:
     """Run ``graph`` forward and backward on copies of ``inputs``.
 
-    A scalar first output is the loss; otherwise the backward seed is a fixed random weighting of
-    the first output, so every element's gradient path is checked.
+    Backward starts from every output that requires grad: a scalar output (the loss) with weight 1,
+    others with a fixed random weighting, so every element's gradient path is checked.
     """
     leaves = {}
     for name, value in inputs.items():
@@ -36,10 +36,15 @@ def evaluate(graph: Graph, inputs: dict[str, torch.Tensor], seed: int = 0) -> Ev
             leaf.requires_grad_(True)
         leaves[name] = leaf
     outputs = run_graph(graph, leaves)
-    first = outputs[graph.outputs[0]]
-    if first.requires_grad:
-        weights = torch.randn(first.shape, generator=torch.Generator().manual_seed(seed), dtype=first.dtype)
-        (first * weights).sum().backward() if first.dim() else first.backward()
+    generator = torch.Generator().manual_seed(seed)
+    seeds = []
+    for name in graph.outputs:
+        output = outputs[name]
+        if output.requires_grad:
+            weights = torch.randn(output.shape, generator=generator, dtype=output.dtype) if output.dim() else torch.ones((), dtype=output.dtype)
+            seeds.append((output * weights).sum())
+    if seeds:
+        torch.stack(seeds).sum().backward()
     gradients = {name: leaf.grad for name, leaf in leaves.items() if leaf.requires_grad and leaf.grad is not None}
     return Evaluation({name: value.detach() for name, value in outputs.items()}, gradients)
 

@@ -7,7 +7,6 @@ Each rule reads the call (pieces carry shapes) and writes the annotation languag
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 from typing import Any, Iterator
 
 from lightning_nnscaler.capture.registry import register_annotation

@@ -133,7 +133,7 @@ class _Converter:
         else:
             raise CaptureError(f"op {op_name!r} ({target}) returns {type(value).__name__}; only tensor results are supported")
         op = Op(name=op_name, target=target, args=tuple(args), kwargs=tuple(kwargs.items()), outputs=outputs, no_grad=no_grad)
-        self.graph.ops.append(replace(op, annotation=annotate_op(op)))
+        self.graph.add_op(replace(op, annotation=annotate_op(op)))
         return result
 
     def inline(self, submodule: fx.GraphModule, operands: list[Any], no_grad: bool) -> Any:

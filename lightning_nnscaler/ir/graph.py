@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 
 import torch
 
@@ -15,7 +14,6 @@ class GraphError(ValueError):
     """A lookup or edit of the graph that does not fit it."""
 
 
-@dataclass
 class Graph:
     """A dataflow graph of ops over logical tensors.
 
@@ -23,28 +21,62 @@ class Graph:
     primitives (``op_trans``, ``op_assign``, ``op_order``). Ops are kept in a topological order of
     their data dependencies; a partitioned op's pieces take its place in that order.
 
+    Ops live in slots (one per op added, pieces replace their op inside its slot), so looking up
+    and replacing an op costs O(pieces), not O(graph): plans of 100k pieces stay fast.
+
     Attributes:
         tensors: Every PTensor by name.
-        ops: The ops, topologically ordered.
+        ops: The ops, topologically ordered (a tuple; edit with the primitives, ``add_op`` or by
+            assigning a new sequence).
         inputs: Names of the graph's input tensors (parameters, buffers, constants, user inputs).
         outputs: Names of the tensors the graph returns.
         order_edges: Happens-before edges ``(before, after)`` between op names, from ``op_order``.
         constant_values: Values of lifted constant tensors (kept out of the text form).
     """
 
-    tensors: dict[str, PTensor] = field(default_factory=dict)
-    ops: list[Op] = field(default_factory=list)
-    inputs: list[str] = field(default_factory=list)
-    outputs: list[str] = field(default_factory=list)
-    order_edges: list[tuple[str, str]] = field(default_factory=list)
-    constant_values: dict[str, torch.Tensor] = field(default_factory=dict)
+    def __init__(
+        self,
+        tensors: dict[str, PTensor] | None = None,
+        ops: list[Op] | tuple[Op, ...] = (),
+        inputs: list[str] | None = None,
+        outputs: list[str] | None = None,
+        order_edges: list[tuple[str, str]] | None = None,
+        constant_values: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        self.tensors: dict[str, PTensor] = tensors if tensors is not None else {}
+        self.inputs: list[str] = inputs if inputs is not None else []
+        self.outputs: list[str] = outputs if outputs is not None else []
+        self.order_edges: list[tuple[str, str]] = order_edges if order_edges is not None else []
+        self.constant_values: dict[str, torch.Tensor] = constant_values if constant_values is not None else {}
+        self.ops = ops
+
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        """The ops in order."""
+        if self._flat is None:
+            self._flat = tuple(op for slot in self._slots for op in slot)
+        return self._flat
+
+    @ops.setter
+    def ops(self, ops: list[Op] | tuple[Op, ...]) -> None:
+        self._slots: list[list[Op]] = [[op] for op in ops]
+        self._slot_of: dict[str, int] = {op.name: index for index, op in enumerate(ops)}
+        self._flat: tuple[Op, ...] | None = None
+
+    def add_op(self, op: Op) -> None:
+        """Append an op at the end of the order."""
+        self._slot_of[op.name] = len(self._slots)
+        self._slots.append([op])
+        self._flat = None
 
     def op(self, op: Op | str) -> Op:
         """The graph's current op named like ``op`` (an Op handle may be stale after an edit)."""
         name = op if isinstance(op, str) else op.name
-        for candidate in self.ops:
-            if candidate.name == name:
-                return candidate
+        slot = self._slot_of.get(name)
+        if slot is not None:
+            for candidate in self._slots[slot]:
+                if candidate.name == name:
+                    return candidate
         pieces = [candidate.name for candidate in self.ops if candidate.origin == name]
         hint = f"; it was partitioned into {pieces[:4]}{'...' if len(pieces) > 4 else ''}" if pieces else ""
         raise GraphError(f"no op named {name!r} in the graph{hint}")
@@ -59,8 +91,14 @@ class Graph:
 
     def replace_op(self, op: Op | str, replacements: list[Op]) -> None:
         """Put ``replacements`` where ``op`` was."""
-        index = self.index_of(op)
-        self.ops[index : index + 1] = replacements
+        name = self.op(op).name
+        slot_index = self._slot_of.pop(name)
+        slot = self._slots[slot_index]
+        position = next(index for index, candidate in enumerate(slot) if candidate.name == name)
+        slot[position : position + 1] = replacements
+        for replacement in replacements:
+            self._slot_of[replacement.name] = slot_index
+        self._flat = None
 
     def producers(self, tensor_name: str) -> list[Op]:
         """Ops that write a piece of the tensor."""
@@ -95,6 +133,10 @@ class Graph:
             order_edges=list(self.order_edges),
             constant_values=copy.copy(self.constant_values),
         )
+
+    def take_contents(self, other: Graph) -> None:
+        """Make this graph hold ``other``'s contents (used to commit an edit made on a copy)."""
+        self.__dict__.update(other.__dict__)
 
     def __str__(self) -> str:
         from lightning_nnscaler.ir.printer import format_graph

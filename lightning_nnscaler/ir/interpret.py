@@ -16,7 +16,7 @@ import torch
 
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import Op, resolve_target
-from lightning_nnscaler.ir.tensor import VTensor
+from lightning_nnscaler.ir.tensor import VTensor, covers_exactly
 
 Pieces = dict[str, list[tuple[VTensor, torch.Tensor]]]
 
@@ -74,8 +74,12 @@ def _sum_overlaps(available: list[tuple[VTensor, torch.Tensor]], wanted: VTensor
     distinct: dict[tuple[Any, Any], tuple[VTensor, torch.Tensor]] = {}
     for piece, value in available:
         distinct.setdefault((piece.index, piece.value), (piece, value))
+    if not covers_exactly(wanted.index, [(piece.index, piece.value) for piece, _ in distinct.values()]):
+        raise InterpretError(
+            f"{reader} reads {wanted} but the pieces written so far do not add up to exactly one whole value of it; "
+            "check the op_trans splits of its producers"
+        )
     total: torch.Tensor | None = None
-    coverage = torch.zeros(wanted.shape, dtype=torch.float64)
     for piece, value in distinct.values():
         overlap = piece.index.intersect(wanted.index)
         if overlap is None:
@@ -86,11 +90,5 @@ def _sum_overlaps(available: list[tuple[VTensor, torch.Tensor]], wanted: VTensor
             contribution = torch.zeros(wanted.shape, dtype=value.dtype)
             contribution[overlap.slices_within(wanted.index)] = value[overlap.slices_within(piece.index)]
         total = contribution if total is None else total + contribution
-        coverage[overlap.slices_within(wanted.index)] += 1.0 / piece.value.parts
-    if total is None or not torch.allclose(coverage, torch.ones_like(coverage)):
-        missing = "nothing" if total is None else f"a coverage between {coverage.min().item():.3g} and {coverage.max().item():.3g}"
-        raise InterpretError(
-            f"{reader} reads {wanted} but the pieces written so far give {missing} (expected exactly one whole value); "
-            "check the op_trans splits of its producers"
-        )
+    assert total is not None
     return total

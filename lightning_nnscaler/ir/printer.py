@@ -111,7 +111,7 @@ def _parse_line(graph: Graph, line: str) -> None:
         if tensor.role != "activation":
             graph.inputs.append(tensor.name)
     elif keyword == "op":
-        graph.ops.append(_parse_op(graph, line))
+        graph.add_op(_parse_op(graph, line))
     elif keyword == "output":
         graph.outputs.append(line.split("%", 1)[1].strip())
     elif keyword == "order":

@@ -172,3 +172,28 @@ class VTensor:
         if not self.value.is_full:
             text += str(self.value)
         return text
+
+
+def covers_exactly(wanted: IndexMask, sources: list[tuple[IndexMask, ValueMask]]) -> bool:
+    """Whether the sources' value shares add up to exactly one whole on every element of ``wanted``.
+
+    Checked on the cells that the sources' boundaries cut ``wanted`` into (no dense arrays), with
+    exact fractions.
+    """
+    from fractions import Fraction
+    from itertools import product
+
+    boxes = [(index.intersect(wanted), Fraction(1, value.parts)) for index, value in sources]
+    boxes = [(box, share) for box, share in boxes if box is not None]
+    if not boxes:
+        return False
+    cuts = []
+    for dim, (start, stop) in enumerate(wanted.ranges):
+        points = {start, stop} | {point for box, _ in boxes for point in box.ranges[dim]}
+        ordered = sorted(points)
+        cuts.append(list(zip(ordered, ordered[1:])))
+    for cell in product(*cuts):
+        total = sum((share for box, share in boxes if all(lo <= a and b <= hi for (a, b), (lo, hi) in zip(cell, box.ranges))), Fraction(0))
+        if total != 1:
+            return False
+    return True

@@ -14,7 +14,7 @@ import itertools
 from collections import defaultdict
 
 from lightning_nnscaler.ir.graph import Graph
-from lightning_nnscaler.ir.tensor import IndexMask, VTensor
+from lightning_nnscaler.ir.tensor import IndexMask, VTensor, covers_exactly
 from lightning_nnscaler.ir.validate import validate_plan
 from lightning_nnscaler.materialize.program import (
     Assemble, Compute, Fragment, GradientGroup, LocalTensor, Program, RankOutput, RankProgram, Recv, Send, box_of,
@@ -173,13 +173,7 @@ class _Builder:
 
     def check_coverage(self, piece: VTensor, sources: list[VTensor], reader: str) -> None:
         """Every element must be covered by value parts adding up to exactly one whole."""
-        import torch
-
-        coverage = torch.zeros(piece.shape, dtype=torch.float64)
-        for source in sources:
-            overlap = source.index.intersect(piece.index)
-            coverage[overlap.slices_within(piece.index)] += 1.0 / source.value.parts
-        if not sources or not torch.allclose(coverage, torch.ones_like(coverage)):
+        if not covers_exactly(piece.index, [(source.index, source.value) for source in sources]):
             raise MaterializeError(
                 f"op {reader!r} reads {piece} but the pieces written before it do not add up to it exactly; "
                 "check the op_trans splits of its producers"

@@ -138,8 +138,7 @@ def apply_recipe(graph: Graph, name: str, world_size: int, **params: Any) -> Pla
     plan = graph.copy()
     spec.load_function()(plan, ctx, **params)
     validate_plan(plan, world_size)
-    for field in dataclasses.fields(Graph):
-        setattr(graph, field.name, getattr(plan, field.name))
+    graph.take_contents(plan)
     return ctx
 
 
@@ -162,7 +161,8 @@ def _read(path: Path) -> RecipeSpec:
     if data["name"] != path.stem:
         raise RecipeError(f"recipe file {path}: name {data['name']!r} must be the file's stem {path.stem!r}")
     parameters = {key: _parameter(path, key, entry) for key, entry in (data.get("parameters") or {}).items()}
-    return RecipeSpec(data["name"], data["function"], " ".join(str(data["summary"]).split()), parameters, tuple(data.get("constraints") or ()))
+    summary = " ".join(str(data["summary"]).split())
+    return RecipeSpec(data["name"], data["function"], summary, parameters, tuple(data.get("constraints") or ()))
 
 
 def _parameter(path: Path, key: str, entry: Any) -> ParameterSpec:

@@ -90,23 +90,25 @@ def _split_dim(op: Op, annotation: DimAnnotation, name: str, parts: int) -> list
     def positions(spec: tuple) -> int | None:
         return next((axis for axis, dim_spec in enumerate(spec) if dim_spec.names[:1] == (name,)), None)
 
-    def cut_input(position: int, piece: VTensor, index: int) -> VTensor:
-        axis = positions(annotation.inputs[position])
+    def cuts(piece: VTensor, axis: int | None, value_split: bool) -> list[VTensor] | None:
         if axis is not None:
-            return piece.split_dim(axis, parts)[index]
-        if reduced and position in annotation.value_inputs:
-            return piece.split_value(parts)[index]
-        return piece
+            return piece.split_dim(axis, parts)
+        return piece.split_value(parts) if value_split else None
 
+    input_cuts = [
+        cuts(piece, positions(spec), reduced and position in annotation.value_inputs)
+        for position, (piece, spec) in enumerate(zip(inputs, annotation.inputs))
+    ]
+    output_cuts = [cuts(output, positions(spec), False) or [output] * parts for output, spec in zip(outputs, annotation.outputs)]
+    if reduced:
+        output_cuts = [[output.split_value(parts)[index] for index, output in enumerate(column)] for column in output_cuts]
     pieces = []
     for index in range(parts):
-        new_outputs = []
-        for output, spec in zip(outputs, annotation.outputs):
-            axis = positions(spec)
-            new_outputs.append(output.split_dim(axis, parts)[index] if axis is not None else output)
-        if reduced:
-            new_outputs = [output.split_value(parts)[index] for output in new_outputs]
-        pieces.append(_piece(op, index, lambda p, v, index=index: cut_input(p, v, index), tuple(new_outputs)))
+        def cut_input(position: int, piece: VTensor, index: int = index) -> VTensor:
+            column = input_cuts[position]
+            return piece if column is None else column[index]
+
+        pieces.append(_piece(op, index, cut_input, tuple(column[index] for column in output_cuts)))
     return pieces
 
 

@@ -50,6 +50,7 @@ def single_device_run(model_name: str, steps: int = STEPS) -> tuple[list[float],
 
 def train_recipes(rank: int, world_size: int, model_name: str, recipes: list[tuple[str, dict]], steps: int = STEPS) -> dict[str, Any]:
     """For each recipe: plan (every rank plans alike), then train ``steps`` AdamW steps on real processes."""
+    torch.set_num_threads(1)  # several ranks share the cores: more intra-op threads only contend
     results = {}
     for recipe, params in recipes:
         model, batch_size = build_model(model_name)
@@ -66,7 +67,8 @@ def train_recipes(rank: int, world_size: int, model_name: str, recipes: list[tup
             losses.append(float(executor.forward_backward(inputs)))
             optimizer.step()
             executor.after_optimizer_step()
-        shards = [(shard.state_key, shard.box, shard.tensor) for shard in executor.full_shards().values()]
+        parameter_keys = {key for key, _ in model.named_parameters()}
+        shards = [(shard.state_key, shard.box, shard.tensor) for shard in executor.full_shards().values() if shard.state_key in parameter_keys]
         results[recipe] = {"losses": losses, "shards": shards}
     return results
 

@@ -257,7 +257,7 @@ class OpCase:
         for output in self.op.outputs:
             graph.tensors[output.name] = output.tensor
             graph.outputs.append(output.name)
-        graph.ops.append(replace(self.op, args=args, kwargs=kwargs, device=None, origin=None))
+        graph.add_op(replace(self.op, args=args, kwargs=kwargs, device=None, origin=None))
         return graph
 
     @property

@@ -109,7 +109,7 @@ def test_cyclic_order_is_refused_with_the_cycle(two_layers) -> None:
         lnn.op_order(graph, second, first)  # second reads what first writes
     assert error.value.cycle[0] == error.value.cycle[-1]
     assert {first.name, second.name} <= set(error.value.cycle)
-    assert graph.ops == before and graph.order_edges == []
+    assert list(graph.ops) == before and graph.order_edges == []
 
 
 def test_order_edges_reorder_independent_ops_and_follow_pieces() -> None:
