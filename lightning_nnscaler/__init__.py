@@ -19,7 +19,16 @@ from lightning_nnscaler.plans.context import PlanContext
 from lightning_nnscaler.primitives import Constraints, op_assign, op_order, op_trans
 from lightning_nnscaler.verify import assert_equivalent
 
+# isort: split
+
+from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry  # noqa: E402 - after the torchvision fix
+
+from lightning_nnscaler.strategy import NnScalerStrategy  # noqa: E402
+
+NnScalerStrategy.register_strategies(_StrategyRegistry)  # Trainer(strategy="nnscaler"), "nnscaler_tp", ...
+
 __all__ = [
+    "NnScalerStrategy",
     "CaptureError", "Constraints", "DimAnnotation", "Graph", "IndexMask", "Op", "PTensor", "ValueMask", "VTensor",
     "assert_equivalent", "bind_inputs", "flatten_inputs", "op_assign", "op_order", "op_trans", "register_annotation", "run_graph",
     "Plan", "PlanContext", "apply_recipe", "build_plan", "list_recipes", "load_recipe", "parallelize", "trace", "validate_plan",

@@ -16,7 +16,7 @@ from lightning_nnscaler.codegen import emit_rank, module_from_source, save_sourc
 from lightning_nnscaler.codegen.load import digest
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.materialize.dependencies import materialize
-from lightning_nnscaler.materialize.program import Compute, Program, Recv
+from lightning_nnscaler.materialize.program import Collective, Compute, Program, Recv
 from lightning_nnscaler.runtime.executor import RankExecutor, merge_gradients
 from lightning_nnscaler.verify import EquivalenceError, evaluate
 
@@ -126,6 +126,8 @@ def explain_rank(program: Program, rank: int) -> dict[str, int]:
             activations += sum(math.prod(output.shape) * dtype_bytes(output.tensor.dtype) for output in action.op.outputs)
         elif isinstance(action, Recv):
             communication += 2 * math.prod(action.shape) * dtype_bytes(action.dtype)  # forward + gradient back
+        elif isinstance(action, Collective):
+            communication += 2 * action.bytes_per_device  # the backward is the adjoint collective
     return {"parameters": parameters, "gradients": parameters, "optimizer": 2 * parameters, "activations": activations, "communication": communication}
 
 
@@ -137,7 +139,10 @@ def _human(count: int) -> str:
     return f"{count:.1f} PiB"
 
 
-def parallelize(module: nn.Module, example_args: Any, recipe: str = "dp", world_size: int = 1, *, step: str | None = None, **params: Any) -> Plan:
+def parallelize(
+    module: nn.Module, example_args: Any, recipe: str = "dp", world_size: int = 1, *, step: str | None = None,
+    communication_cost: Any = None, **params: Any,
+) -> Plan:
     """Trace ``module``, apply the catalog recipe ``recipe`` for ``world_size`` ranks, materialize
     and generate per-rank code.
 
@@ -147,6 +152,7 @@ def parallelize(module: nn.Module, example_args: Any, recipe: str = "dp", world_
         recipe: A name from the recipe catalog (``lightning-nnscaler recipes`` lists them).
         world_size: Number of ranks.
         step: ``None`` (forward) or ``"training_step"``.
+        communication_cost: The RVD search's cost model (``materialize.AlphaBeta`` by default).
         **params: The recipe's parameters (checked against the catalog before anything runs).
     """
     from lightning_nnscaler.plans.catalog import apply_recipe
@@ -154,16 +160,20 @@ def parallelize(module: nn.Module, example_args: Any, recipe: str = "dp", world_
     graph = trace(module, example_args, step=step)
     planned = graph.copy()
     context = apply_recipe(planned, recipe, world_size, **params)
-    return build_plan(module, example_args, step, graph, planned, world_size, recipe=recipe, params=params, zero_stage=context.zero_stage)
+    return build_plan(module, example_args, step, graph, planned, world_size, recipe=recipe, params=params, zero_stage=context.zero_stage, validated=True, communication_cost=communication_cost)
 
 
 def build_plan(
     module: nn.Module, example_args: Any, step: str | None, graph: Graph, planned: Graph, world_size: int,
-    *, recipe: str = "custom", params: dict[str, Any] | None = None, zero_stage: int = 0,
+    *, recipe: str = "custom", params: dict[str, Any] | None = None, zero_stage: int = 0, validated: bool = False,
+    communication_cost: Any = None,
 ) -> Plan:
-    """Materialize a graph planned by any means (a recipe or hand-written primitives) and generate code."""
+    """Materialize a graph planned by any means (a recipe or hand-written primitives) and generate code.
+
+    ``validated=True`` when ``planned`` was just checked by ``validate_plan`` (``apply_recipe`` does).
+    """
     params = dict(params or {})
-    program = materialize(planned, world_size)
+    program = materialize(planned, world_size, validate=not validated, cost=communication_cost)
     plan_hash = digest("\n".join([CODEGEN_VERSION, str(world_size), str(zero_stage), str(graph), str(planned)]))
     label = f"recipe {recipe}" + (f" {params}" if params else "")
     sources = [emit_rank(program, rank, plan_hash[:12], label, zero_stage) for rank in range(world_size)]

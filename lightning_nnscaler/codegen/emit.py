@@ -62,7 +62,7 @@ def emit_rank(program: Program, rank: int, plan_hash: str, label: str, zero_stag
         if rank in group.ranks and len(group.ranks) > 1:
             lines.append(f"    ({group.state_key!r}, {group.box!r}, {group.ranks!r}),")
     lines.append("]")
-    lines.append(f"GROUPS = {program.communication_groups()!r}  # every rank creates these, in this order")
+    lines.append(f"GROUPS = {program.communication_groups!r}  # every rank creates these, in this order")
     lines.append(f"ZERO_STAGE = {zero_stage}  # replicated boxes: 0 all-reduce, 1 sharded optimizer state, 3 sharded at rest")
     lines.append("OUTPUTS = [  # (graph output, variable, starts backward)")
     for output in rank_program.outputs:

@@ -44,7 +44,7 @@ class Op:
     origin: str | None = None
     recompute: int | None = None
 
-    @property
+    @functools.cached_property
     def tensor_inputs(self) -> list[VTensor]:
         """Every input piece, in argument order (lists flattened); the annotation follows this order."""
         return [value for value in _walk((self.args, tuple(v for _, v in self.kwargs))) if isinstance(value, VTensor)]

@@ -14,11 +14,14 @@ import itertools
 from collections import defaultdict
 
 from lightning_nnscaler.ir.graph import Graph
-from lightning_nnscaler.ir.tensor import IndexMask, VTensor, covers_exactly
+from lightning_nnscaler.ir.tensor import IndexMask, ValueMask, VTensor, covers_exactly
 from lightning_nnscaler.ir.validate import validate_plan
+from lightning_nnscaler.ir.op import Op
+from lightning_nnscaler.materialize.collectives import collective_path, group_of
 from lightning_nnscaler.materialize.program import (
-    Assemble, Compute, Fragment, GradientGroup, LocalTensor, Program, RankOutput, RankProgram, Recv, Send, box_of,
+    Assemble, Collective, Compute, Fragment, GradientGroup, LocalTensor, Program, RankOutput, RankProgram, Recv, Send, box_of,
 )
+from lightning_nnscaler.materialize.search import CostModel
 
 PieceKey = tuple[str, IndexMask, object]
 
@@ -27,10 +30,19 @@ class MaterializeError(ValueError):
     """A piece cannot be assembled from what the plan produces; names the op and the tensor."""
 
 
-def materialize(graph: Graph, world_size: int) -> Program:
-    """Lower a placed graph into per-rank programs (see the module docstring)."""
-    validate_plan(graph, world_size)
-    return _Builder(graph, world_size).run()
+def materialize(graph: Graph, world_size: int, *, validate: bool = True, collectives: bool = True, cost: CostModel | None = None) -> Program:
+    """Lower a placed graph into per-rank programs (see the module docstring).
+
+    Args:
+        graph: The placed graph.
+        world_size: Number of ranks.
+        validate: False skips ``validate_plan`` for a graph the caller has just validated.
+        collectives: Let the RVD search replace point-to-point transfers by collectives where cheaper.
+        cost: The cost model the search prices steps with (default: alpha-beta).
+    """
+    if validate:
+        validate_plan(graph, world_size)
+    return _Builder(graph, world_size, cost if collectives else None, collectives).run()
 
 
 def _bounding(masks: list[IndexMask]) -> IndexMask:
@@ -38,8 +50,14 @@ def _bounding(masks: list[IndexMask]) -> IndexMask:
 
 
 class _Builder:
-    def __init__(self, graph: Graph, world_size: int) -> None:
+    def __init__(self, graph: Graph, world_size: int, cost: CostModel | None, collectives: bool) -> None:
         self.graph = graph
+        self.cost = cost
+        self.collectives = collectives
+        self.routed: set[tuple[str, str, int]] = set()
+        self.pieces_of: dict[str, list] = defaultdict(list)
+        for op in graph.ops:
+            self.pieces_of[op.source_name].append(op)
         self.programs = [RankProgram(rank) for rank in range(world_size)]
         self.written: dict[str, list[tuple[VTensor, int, str, float]]] = defaultdict(list)
         self.cache: list[dict[PieceKey, str]] = [{} for _ in range(world_size)]
@@ -63,7 +81,7 @@ class _Builder:
         self.hold_graph_inputs()
         for position, op in enumerate(self.graph.ops):
             rank = op.device
-            input_vars = tuple(self.obtain(rank, piece, position, op.name) for piece in op.tensor_inputs)
+            input_vars = tuple(self.obtain(rank, piece, position, op, index) for index, piece in enumerate(op.tensor_inputs))
             output_vars = tuple(self.var(rank, output.name) for output in op.outputs)
             self.programs[rank].actions.append(Compute(position, op, input_vars, output_vars))
             for output, var in zip(op.outputs, output_vars):
@@ -104,14 +122,16 @@ class _Builder:
 
     # --- pieces ---------------------------------------------------------------------------------
 
-    def obtain(self, rank: int, piece: VTensor, position: int, reader: str) -> str:
+    def obtain(self, rank: int, piece: VTensor, position: int, reader: Op, input_index: int) -> str:
         key = (piece.name, piece.index, piece.value)
         if key in self.cache[rank]:
             return self.cache[rank][key]
         if self.graph.tensors[piece.name].role != "activation":
             var = self.slice_held(rank, piece, position)
+        elif self.collectives and self.route_collectively(piece, position, reader, input_index):
+            return self.cache[rank][key]
         else:
-            var = self.fetch(rank, piece, position, reader)
+            var = self.fetch(rank, piece, position, reader.name)
         self.cache[rank][key] = var
         return var
 
@@ -162,6 +182,66 @@ class _Builder:
         self.programs[rank].actions.append(Assemble(position - 0.25, var, piece, tuple(fragments)))
         return var
 
+    def route_collectively(self, piece: VTensor, position: int, reader: Op, input_index: int) -> bool:
+        """Serve every piece of ``reader``'s origin reading this input with collectives, if the RVD
+        search finds a runnable path; registers each device's result and returns True."""
+        attempt = (piece.name, reader.source_name, input_index)
+        if attempt in self.routed:
+            return False
+        self.routed.add(attempt)
+        targets: dict[int, VTensor] = {}
+        for sibling in self.pieces_of[reader.source_name]:
+            wanted = sibling.tensor_inputs[input_index]
+            if targets.setdefault(sibling.device, wanted) != wanted:
+                return False  # several pieces on one device (co-shard): not one layout
+        by_rank: dict[int, dict[VTensor, str]] = defaultdict(dict)
+        for written, rank, var, _ in self.written.get(piece.name, []):
+            by_rank[rank].setdefault(written, var)
+        sources: dict[int, tuple[VTensor, str]] = {}
+        for rank, pieces in by_rank.items():
+            merged = _merge_local_value_parts(list(pieces))
+            if merged is None:
+                return False
+            sources[rank] = (merged, None if len(pieces) > 1 else next(iter(pieces.values())))
+        if all(sources.get(rank, (None,))[0] == wanted for rank, wanted in targets.items()):
+            return False  # every device already holds what it reads
+        path = collective_path({rank: entry[0] for rank, entry in sources.items()}, targets, self.cost)
+        if path is None:
+            return False
+        current = {rank: var or self.sum_locally(rank, merged, by_rank[rank], position) for rank, (merged, var) in sources.items()}
+        for step_index, step in enumerate(path.steps):
+            at = position - 0.4 + 0.01 * input_index + 0.001 * step_index
+            for rank in sorted(current):
+                current[rank] = self.collective_step(rank, step, current[rank], piece, at)
+        for rank, wanted in targets.items():
+            self.cache[rank][(wanted.name, wanted.index, wanted.value)] = current[rank]
+        return True
+
+    def sum_locally(self, rank: int, merged: VTensor, pieces: dict[VTensor, str], position: int) -> str:
+        """Add a device's value parts of one box (e.g. co-shard's shards) before a collective."""
+        var = self.var(rank, f"{merged.name}_local_sum")
+        full = tuple(slice(0, size) for size in merged.shape)
+        fragments = tuple(Fragment(source_var, (), full, whole=True) for source_var in pieces.values())
+        self.programs[rank].actions.append(Assemble(position - 0.45, var, merged, fragments))
+        return var
+
+    def collective_step(self, rank: int, step: object, source_var: str, piece: VTensor, position: float) -> str:
+        shape = piece.tensor.shape
+        if step.kind == "local-value-split":
+            if step.after.piece_of(rank, shape)[1].part == 0:
+                return source_var
+            return self.zeros(rank, VTensor(piece.tensor, *step.after.piece_of(rank, shape)), position + 0.25)
+        var = self.var(rank, f"{piece.name}_{step.kind.replace('-', '_')}")
+        if step.kind == "local-chunk":
+            before, after = step.before.piece_of(rank, shape)[0], step.after.piece_of(rank, shape)[0]
+            fragment = Fragment(source_var, after.slices_within(before), tuple(slice(0, size) for size in after.shape), whole=False)
+            self.programs[rank].actions.append(Assemble(position, var, VTensor(piece.tensor, after), (fragment,)))
+            return var
+        kind = step.kind.replace("-", "_")
+        dim = step.dims[0] if step.dims else 0
+        self.programs[rank].actions.append(Collective(position, kind, var, source_var, group_of(step, rank), dim, 0, step.bytes_per_device))
+        return var
+
     def transfer(self, src: int, source_var: str, region: tuple[slice, ...], dst: int, shape: tuple[int, ...], piece: VTensor, produced_at: float, position: int) -> str:
         tag = next(self.tags)
         self.programs[src].actions.append(Send(produced_at + 0.1, source_var, region, dst, tag))
@@ -188,6 +268,21 @@ class _Builder:
                 seen.add(key)
 
 
+def _merge_local_value_parts(pieces: list[VTensor]) -> VTensor | None:
+    """One device's pieces as one: itself, or consecutive value parts of one box added up
+    (parts k*s .. k*s+s-1 of n become part k of n/s); ``None`` when they do not combine."""
+    if len(pieces) == 1:
+        return pieces[0]
+    first = pieces[0]
+    parts = sorted(piece.value.part for piece in pieces)
+    count, total = len(parts), first.value.parts
+    if any(piece.index != first.index or piece.value.parts != total for piece in pieces):
+        return None
+    if total % count or parts != list(range(parts[0], parts[0] + count)) or parts[0] % count:
+        return None
+    return VTensor(first.tensor, first.index, ValueMask(parts[0] // count, total // count))
+
+
 def _action_order(action: object) -> tuple[float, int, int]:
     """By position; at one position sends come before receives, and messages go by tag."""
     kind = 0 if isinstance(action, Send) else 1
@@ -204,12 +299,16 @@ def _choose_holder(holders: list[tuple[VTensor, int, str, float]], rank: int) ->
 
 
 def _merge_partial_overlaps(boxes: dict[int, IndexMask]) -> dict[int, IndexMask]:
+    distinct = {box: box for box in boxes.values()}  # box -> the box it grows into
     changed = True
     while changed:
         changed = False
-        for first, second in itertools.combinations(sorted(boxes), 2):
-            a, b = boxes[first], boxes[second]
-            if a != b and a.intersect(b) is not None:
-                boxes[first] = boxes[second] = _bounding([a, b])
+        for first, second in itertools.combinations(sorted(set(distinct.values()), key=lambda box: box.ranges), 2):
+            if first.intersect(second) is not None:
+                merged = _bounding([first, second])
+                for original, current in distinct.items():
+                    if current in (first, second):
+                        distinct[original] = merged
                 changed = True
-    return boxes
+                break
+    return {rank: distinct[box] for rank, box in boxes.items()}

@@ -7,6 +7,7 @@ only ever wait for data produced at earlier positions, on every rank alike — n
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from lightning_nnscaler.ir.op import Op
@@ -80,6 +81,7 @@ class Collective:
     ranks: tuple[int, ...]
     dim: int = 0
     second_dim: int = 0
+    bytes_per_device: int = 0  # what this device sends in the collective (for explain)
 
 
 Action = Compute | Send | Recv | Assemble | Collective
@@ -134,6 +136,7 @@ class Program:
     ranks: list[RankProgram]
     gradient_groups: list[GradientGroup]
 
+    @functools.cached_property
     def communication_groups(self) -> list[tuple[int, ...]]:
         """Every rank tuple a collective or gradient reduction uses, sorted (for group creation)."""
         groups = {group.ranks for group in self.gradient_groups if len(group.ranks) > 1}

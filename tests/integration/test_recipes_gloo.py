@@ -5,22 +5,28 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_nnscaler.materialize import AlphaBeta
 from lightning_nnscaler.runtime.executor import Shard, merge_shards
 from lightning_nnscaler.runtime.launch import launch
 
 from workers import STEPS, single_device_run, train_recipes  # noqa: E402 - tests/integration is on sys.path
 
 
-def recipes_for(world_size: int) -> list[tuple[str, dict]]:
-    """The catalog recipes with parameters that fit ``world_size`` ranks."""
+COLLECTIVES = {"communication_cost": AlphaBeta(alpha=0.0, launch=0.0)}  # price by volume only: collectives win
+
+
+def recipes_for(world_size: int) -> list[tuple[str, str, dict]]:
+    """(label, catalog recipe, parameters) that fit ``world_size`` ranks; tiny test tensors make the
+    default cost model pick point-to-point, so tp, sp and coshard also run with collectives."""
     return [
-        ("dp", {}),
-        ("zero1", {}),
-        ("zero3", {}),
-        ("tp", {}),
-        ("sp", {}),
-        ("coshard", {"shards": 2}),
-        ("hybrid", {"dp": 2, "tp": world_size // 2}),
+        ("dp", "dp", {}),
+        ("zero1", "zero1", {}),
+        ("zero3", "zero3", {}),
+        ("tp", "tp", {}),
+        ("tp+collectives", "tp", COLLECTIVES),
+        ("sp+collectives", "sp", COLLECTIVES),
+        ("coshard+collectives", "coshard", {"shards": 2, **COLLECTIVES}),
+        ("hybrid", "hybrid", {"dp": 2, "tp": world_size // 2}),
     ]
 
 
@@ -32,7 +38,7 @@ def test_recipes_match_single_device_training(model_name: str, world_size: int) 
     recipes = recipes_for(world_size)
     per_rank = launch(train_recipes, world_size, model_name, recipes, timeout=800)
     shapes = {key: tuple(value.shape) for key, value in expected_parameters.items()}
-    for recipe, _ in recipes:
+    for recipe, _, _ in recipes:
         for rank, results in enumerate(per_rank):
             losses = results[recipe]["losses"]
             assert len(losses) == STEPS

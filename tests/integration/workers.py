@@ -48,11 +48,12 @@ def single_device_run(model_name: str, steps: int = STEPS) -> tuple[list[float],
     return losses, {key: value.detach().clone() for key, value in model.named_parameters()}
 
 
-def train_recipes(rank: int, world_size: int, model_name: str, recipes: list[tuple[str, dict]], steps: int = STEPS) -> dict[str, Any]:
-    """For each recipe: plan (every rank plans alike), then train ``steps`` AdamW steps on real processes."""
+def train_recipes(rank: int, world_size: int, model_name: str, recipes: list[tuple[str, str, dict]], steps: int = STEPS) -> dict[str, Any]:
+    """For each (label, recipe, parameters): plan (every rank plans alike), then train ``steps`` AdamW
+    steps on real processes; results by label."""
     torch.set_num_threads(1)  # several ranks share the cores: more intra-op threads only contend
     results = {}
-    for recipe, params in recipes:
+    for label, recipe, params in recipes:
         model, batch_size = build_model(model_name)
         data = batches(model, batch_size, steps)
         plan = lnn.parallelize(model, data[0], recipe, world_size, step="training_step", **params)
@@ -69,7 +70,7 @@ def train_recipes(rank: int, world_size: int, model_name: str, recipes: list[tup
             executor.after_optimizer_step()
         parameter_keys = {key for key, _ in model.named_parameters()}
         shards = [(shard.state_key, shard.box, shard.tensor) for shard in executor.full_shards().values() if shard.state_key in parameter_keys]
-        results[recipe] = {"losses": losses, "shards": shards}
+        results[label] = {"losses": losses, "shards": shards}
     return results
 
 

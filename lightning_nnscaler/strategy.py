@@ -1,0 +1,425 @@
+"""``NnScalerStrategy``: trains an unchanged LightningModule with a plan from the recipe catalog.
+
+Lightning glue only; the plan, the generated per-rank code and the runtime do the work. Where each
+step happens:
+
+- **construction** checks the recipe and its parameters against the catalog (``recipes/*.yaml``).
+- **launch** uses Lightning's launchers (``start_method="popen"``: the script is run once per
+  device, as ``strategy="ddp"`` does; ``"spawn"``/``"fork"``: Lightning's multiprocessing launcher),
+  or none when torchrun / SLURM created the processes. Every process joins one process group
+  (gloo on CPU, NCCL on CUDA) whose collectives time out after ``timeout`` seconds.
+- **setup** broadcasts rank 0's weights (as DDP does) and builds the user's optimizers over the
+  full LightningModule, the way Lightning always does.
+- **first training batch** (``on_train_batch_start``): the batch the step will receive is traced
+  through ``training_step``, the recipe plans it for the world size (every rank plans alike, from
+  the same batch; the plan hashes are compared, no shared filesystem is needed), the rank's
+  generated module is loaded into a ``RankExecutor``, and the optimizers' param groups move onto
+  the rank's pieces (``strategy_gradients.move_param_groups``).
+- **training_step** runs ``forward_backward`` (forward, backward and the gradient reduction) and
+  returns the loss, so Lightning logs it and steps the optimizer; its own backward is a no-op here.
+- **validation / test / predict** run the user's own steps on the full LightningModule, refreshed
+  from every rank's shards first (``_refresh_module``).
+
+Data: the generated code slices each rank's share out of the *global* batch, so every rank loads
+the same batches: ``distributed_sampler_kwargs`` is ``num_replicas=1, rank=0`` and the
+DataLoader's ``batch_size`` is the global batch size (what a DDP run spreads over its ranks).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_nnscaler.capture import flatten_inputs
+from lightning_nnscaler.codegen import module_from_source
+from lightning_nnscaler.parallelize import Plan, parallelize
+from lightning_nnscaler.plans.catalog import RecipeError, list_recipes, load_recipe
+from lightning_nnscaler.runtime import TorchDistributedCommunicator
+from lightning_nnscaler.runtime.executor import RankExecutor
+from lightning_nnscaler.strategy_gradients import GradientStash, clip_grad_norm, gradient_holders, move_param_groups, replica_counts
+from lightning_nnscaler.strategy_logging import record_loss_logs
+
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+def _usage_example(recipe: str) -> str:
+    """``NnScalerStrategy(recipe=..., <its parameters>)`` for an error message."""
+    try:
+        spec = load_recipe(recipe)
+    except RecipeError:
+        return "NnScalerStrategy(recipe='tp', degree=2)"
+    arguments = [f"recipe={recipe!r}"] + [f"{parameter.name}=<{parameter.type}>" for parameter in spec.parameters.values()]
+    return f"NnScalerStrategy({', '.join(arguments)})"
+
+
+class _NnScalerMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's multiprocessing launcher, subclassed only so that a spawned process unpickles this
+    module (and so ``lightning_nnscaler``, which keeps torchvision importable) before Lightning."""
+
+
+class NnScalerStrategy(ParallelStrategy):
+    """Parallelizes a LightningModule's ``training_step`` with a recipe of the catalog.
+
+    Args:
+        recipe: A catalog recipe (``lightning_nnscaler.list_recipes()``): dp, zero1, zero3, tp, ...
+        accelerator: Set by the Trainer.
+        parallel_devices: Set by the Trainer from ``devices``.
+        cluster_environment: Set by the Trainer (Lightning, torchrun, SLURM, ...).
+        checkpoint_io: Set by the Trainer.
+        precision_plugin: Set by the Trainer from ``precision`` (32-true, bf16-mixed).
+        timeout: Seconds any collective may wait before it fails (a dead rank fails the run).
+        start_method: ``"popen"`` runs the script once per device (like ``strategy="ddp"``);
+            ``"spawn"``/``"fork"`` use Lightning's multiprocessing launcher.
+        **recipe_params: The recipe's parameters, e.g. ``degree=2`` for tp.
+
+    Raises:
+        RecipeError: the recipe is not in the catalog, or a parameter is unknown, missing or of the wrong type.
+    """
+
+    def __init__(
+        self,
+        recipe: str = "dp",
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        timeout: float = 60.0,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **recipe_params: Any,
+    ) -> None:
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
+        try:
+            load_recipe(recipe).check_parameters(recipe_params)
+        except RecipeError as error:
+            raise RecipeError(
+                f"NnScalerStrategy(recipe={recipe!r}, ...): {error}. Pass a recipe of the catalog and its parameters as "
+                f"keyword arguments, e.g. {_usage_example(recipe)}; `lightning_nnscaler.list_recipes()` lists them."
+            ) from error
+        if start_method not in _START_METHODS:
+            raise ValueError(f"NnScalerStrategy(start_method={start_method!r}): use one of {', '.join(_START_METHODS)}")
+        self.recipe = recipe
+        self.recipe_params = dict(recipe_params)
+        self.timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self.plan: Optional[Plan] = None
+        self.executor: Optional[RankExecutor] = None
+        self._gradient_stash: Optional[GradientStash] = None
+        self._replicas: dict[int, int] = {}
+        self._loss_logs: list[tuple[str, dict[str, Any]]] = []
+        self._module_is_stale = False
+
+    # --- devices, ranks, launch ----------------------------------------------------------------
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes the Trainer was given (``num_nodes``)."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Processes on this node (one per device)."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """True: makes the Trainer put a DistributedSampler (with ``distributed_sampler_kwargs``) in the loaders."""
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every rank loads the same global batches (the generated code slices each rank's share).
+
+        The sampler still shuffles with Lightning's seed, alike on every rank.
+        """
+        return {"num_replicas": 1, "rank": 0}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _NnScalerMultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        backend = "nccl" if self.root_device.type == "cuda" else "gloo"
+        _init_dist_connection(self.cluster_environment, backend, timeout=timedelta(seconds=self.timeout))
+
+    def set_world_ranks(self) -> None:
+        """Global rank and world size from the node rank, local rank and devices per node."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # --- setup -----------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._check_supported(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._broadcast_module_state()
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            # The precision plugin's norm clipping sees only this rank's pieces: clip by the global norm instead.
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+
+    def _check_supported(self, trainer: Trainer) -> None:
+        module = self.lightning_module
+        assert module is not None
+        if not module.automatic_optimization:
+            raise MisconfigurationException(
+                f"{type(module).__name__} sets automatic_optimization = False. NnScalerStrategy runs the captured "
+                "training_step (forward and backward) itself, so manual optimization is not supported: remove "
+                "`self.automatic_optimization = False` and return the loss from training_step."
+            )
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise MisconfigurationException(
+                f"precision={trainer.precision!r} needs a loss scaler, which the generated step does not apply yet; "
+                "use precision='bf16-mixed' or '32-true' with NnScalerStrategy."
+            )
+
+    def _broadcast_module_state(self) -> None:
+        """Start every rank from rank 0's weights, as DDP does (a script run per device may seed differently)."""
+        if self.world_size == 1 or not _distributed_is_initialized():
+            return
+        assert self.lightning_module is not None
+        with torch.no_grad():
+            for tensor in [*self.lightning_module.parameters(), *self.lightning_module.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Plan the step from the first batch it will receive (see the module docstring)."""
+        if self.executor is None:
+            self._build_executor(batch, batch_idx)
+
+    def _build_executor(self, batch: Any, batch_idx: int) -> None:
+        module = self.lightning_module
+        assert module is not None
+        rank, world_size = self.global_rank, self.world_size
+        try:
+            plan = parallelize(module, batch, self.recipe, world_size, step="training_step", **self.recipe_params)
+        except Exception as error:  # noqa: BLE001 - every planning failure gets the recipe and the fix
+            raise MisconfigurationException(
+                f"NnScalerStrategy could not plan {type(module).__name__}.training_step with recipe {self.recipe!r} "
+                f"{self.recipe_params} on {world_size} ranks: {error}\nCheck the recipe's constraints "
+                f"(`lightning_nnscaler.list_recipes()`), the global batch size (the DataLoader's batch_size) and `devices`."
+            ) from error
+        self._check_same_plan(plan.plan_hash)
+        code = module_from_source(plan.sources[rank], f"nnscaler_rank{rank}_{plan.plan_hash[:12]}")
+        state = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
+        communicator = TorchDistributedCommunicator(timeout=self.timeout)
+        self.executor = RankExecutor(code, rank, state, plan.graph.constant_values, communicator, self.root_device)
+        self.plan = plan
+        for optimizer in self.optimizers:
+            move_param_groups(optimizer, module, self.executor)
+        self._gradient_stash = GradientStash(gradient_holders(self.executor))
+        self._replicas = replica_counts(self.executor)
+        self._loss_logs = record_loss_logs(module, batch, batch_idx)
+
+    def _check_same_plan(self, plan_hash: str) -> None:
+        if self.world_size == 1:
+            return
+        hashes: list[Any] = [None] * self.world_size
+        dist.all_gather_object(hashes, plan_hash)
+        if len(set(hashes)) > 1:
+            raise RuntimeError(
+                f"the ranks planned different programs (plan hashes by rank: {[h[:12] for h in hashes]}); every rank "
+                "must trace the same first batch: keep NnScalerStrategy's sampler (use_distributed_sampler=True) and "
+                "the same data on every rank."
+            )
+
+    # --- training --------------------------------------------------------------------------------
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        """One step of the parallelized ``training_step``; returns the whole loss (equal on every rank)."""
+        assert self.lightning_module is not None and self.plan is not None and self._gradient_stash is not None
+        trainer = self.lightning_module.trainer
+        batch = kwargs.get("batch", args[0] if args else None)
+        inputs = self._graph_inputs(batch)
+        accumulate = trainer.accumulate_grad_batches
+        if accumulate > 1:
+            self._gradient_stash.stash()
+        with self.precision_plugin.train_step_context():
+            loss = self.executor.forward_backward(inputs)
+        if accumulate > 1:
+            # Lightning divides the loss by accumulate_grad_batches before its backward; ours already ran.
+            self._gradient_stash.restore(1.0 / accumulate)
+        for name, log_kwargs in self._loss_logs:
+            self.lightning_module.log(name, loss, **log_kwargs)
+        return loss
+
+    def _graph_inputs(self, batch: Any) -> dict[str, Tensor]:
+        assert self.plan is not None
+        values = flatten_inputs(batch, step="training_step")
+        expected = self.plan.graph.user_inputs
+        shapes = [tuple(value.shape) for value in values]
+        if shapes != [tuple(tensor.shape) for tensor in expected]:
+            raise MisconfigurationException(
+                f"a training batch has tensor shapes {shapes}, but the step was planned for {[tuple(t.shape) for t in expected]} "
+                "(the first batch). NnScalerStrategy needs batches of one shape: set drop_last=True on the train DataLoader "
+                "and pad sequences to a fixed length."
+            )
+        return {tensor.name: value for tensor, value in zip(expected, values)}
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """No backward here: ``training_step`` already ran it. Lightning's backward hooks still run."""
+        assert self.lightning_module is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+
+    @override
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Optional[Union[LightningModule, torch.nn.Module]] = None, **kwargs: Any
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.executor is not None:
+            self.executor.after_optimizer_step()  # ZeRO gathers the updated chunks, or releases the boxes
+            self._module_is_stale = True
+        return output
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        """Norm clipping by the norm over every rank's pieces (a replicated box counted once)."""
+        assert self.executor is not None
+        world = tuple(range(self.world_size))
+        all_reduce = (lambda tensor: self.executor.communicator.all_reduce(tensor, world)) if len(world) > 1 else (lambda tensor: tensor)
+        parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+        clip_grad_norm(parameters, float(clip_val), self._replicas, all_reduce)
+
+    # --- evaluation and the full module ----------------------------------------------------------
+
+    def _refresh_module(self) -> None:
+        """Copy every rank's current pieces into the full LightningModule (a collective: all ranks call it)."""
+        if self.executor is None or not self._module_is_stale:
+            return
+        assert self.lightning_module is not None
+        pieces = [(shard.state_key, shard.box, shard.tensor.cpu()) for shard in self.executor.full_shards().values()]
+        gathered: list[Any] = [pieces] if self.world_size == 1 else [None] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(gathered, pieces)
+        module = self.lightning_module
+        targets = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
+        with torch.no_grad():
+            for rank_pieces in gathered:
+                for state_key, box, tensor in rank_pieces:
+                    targets[state_key][tuple(slice(start, stop) for start, stop in box)].copy_(tensor)
+        self._module_is_stale = False
+
+    @override
+    def on_validation_start(self) -> None:
+        self._refresh_module()
+
+    @override
+    def on_test_start(self) -> None:
+        self._refresh_module()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._refresh_module()
+
+    @override
+    def on_train_end(self) -> None:
+        self._refresh_module()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full model's state, assembled from every rank's pieces."""
+        self._refresh_module()
+        return super().lightning_module_state_dict()
+
+    # --- collectives -----------------------------------------------------------------------------
+
+    @override
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        container = [obj]
+        dist.broadcast_object_list(container, src)
+        return container[0]
+
+    @override
+    def teardown(self) -> None:
+        vars(self.precision_plugin).pop("clip_grad_by_norm", None)
+        self.executor = None
+        self.plan = None
+        self._gradient_stash = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            "nnscaler", cls, description="nnScaler strategy with the default recipe (dp)", override=True, recipe="dp"
+        )
+        strategy_registry.register(
+            "nnscaler_spawn", cls, description="nnScaler strategy (dp) with start_method 'spawn'", override=True,
+            recipe="dp", start_method="spawn",
+        )
+        for spec in list_recipes():
+            strategy_registry.register(
+                f"nnscaler_{spec.name}", cls, description=f"nnScaler strategy, recipe {spec.name}: {spec.summary}",
+                override=True, recipe=spec.name,
+            )

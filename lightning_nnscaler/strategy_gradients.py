@@ -1,0 +1,147 @@
+"""What ``NnScalerStrategy`` does with a rank's parameter pieces: optimizer groups, accumulation, clipping.
+
+A rank's optimizer updates the pieces its ``RankExecutor`` holds: parameter boxes, or under ZeRO
+the flat chunks it owns of replicated boxes. These helpers know which state_dict key each piece
+belongs to and how many ranks hold the same box, so that
+
+- the user's ``configure_optimizers`` param groups (built over the full LightningModule) can be
+  moved onto the pieces, key by key, keeping every group's hyperparameters and its LR schedulers;
+- gradients can be accumulated over several ``forward_backward`` calls even though the executor
+  sums replicated gradients after each one;
+- the global gradient norm counts each box once, however many ranks hold a replica of it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from lightning_nnscaler.runtime.executor import RankExecutor
+
+
+def piece_state_keys(executor: RankExecutor) -> dict[int, str]:
+    """The state_dict key of every trainable piece of ``executor``, by ``id(piece)``.
+
+    ZeRO chunks are mapped through the box they were cut from.
+    """
+    keys = {id(shard.tensor): shard.state_key for shard in executor.shards.values()}
+    for owned in executor.reducer.owned:  # ZeRO: the optimizer updates chunks of replicated boxes
+        keys[id(owned.chunk)] = keys[id(owned.box)]
+    return keys
+
+
+def replica_counts(executor: RankExecutor) -> dict[int, int]:
+    """How many ranks hold (and, after backward, share the summed gradient of) each replicated box."""
+    ranks_by_box = {(state_key, tuple(map(tuple, box))): len(ranks) for state_key, box, ranks in executor.module.GRADIENT_GROUPS}
+    counts = {}
+    for shard in executor.shards.values():
+        count = ranks_by_box.get((shard.state_key, tuple(map(tuple, shard.box))), 1)
+        if count > 1:
+            counts[id(shard.tensor)] = count
+    return counts
+
+
+def gradient_holders(executor: RankExecutor) -> list[torch.Tensor]:
+    """Every tensor whose ``.grad`` a step writes: parameter boxes and (under ZeRO) owned chunks."""
+    holders = {id(shard.tensor): shard.tensor for shard in executor.shards.values() if isinstance(shard.tensor, nn.Parameter)}
+    holders.update({id(piece): piece for piece in executor.parameters()})
+    return list(holders.values())
+
+
+def move_param_groups(optimizer: torch.optim.Optimizer, module: nn.Module, executor: RankExecutor) -> None:
+    """Make ``optimizer`` (built by ``configure_optimizers`` over ``module``) update ``executor``'s pieces.
+
+    Each group keeps its dict (so its hyperparameters and any LR scheduler attached to the
+    optimizer stay as they are); only ``group["params"]`` is replaced by the pieces of the same
+    state_dict keys. Parameters the user left out of every group stay untrained, as before.
+
+    Raises:
+        ValueError: a group holds a tensor that is not a parameter of ``module``, or the optimizer
+            already has state (it must not have stepped over the full parameters).
+    """
+    if optimizer.state:
+        raise ValueError(
+            f"{type(optimizer).__name__} already has state for the full parameters; NnScalerStrategy moves the optimizer "
+            "onto the rank's shards before the first step. Resuming optimizer state from a checkpoint is not supported yet: "
+            "start from the checkpoint's weights with `trainer.fit(model)` after `model.load_state_dict(...)`."
+        )
+    keys_by_parameter: dict[int, list[str]] = defaultdict(list)
+    for key, parameter in module.named_parameters(remove_duplicate=False):
+        keys_by_parameter[id(parameter)].append(key)
+    piece_keys = piece_state_keys(executor)
+    pieces_by_key: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for piece in executor.parameters():
+        pieces_by_key[piece_keys[id(piece)]].append(piece)
+    for index, group in enumerate(optimizer.param_groups):
+        pieces = []
+        for parameter in group["params"]:
+            if id(parameter) not in keys_by_parameter:
+                raise ValueError(
+                    f"param group {index} of {type(optimizer).__name__} holds a tensor of shape {tuple(parameter.shape)} that is "
+                    f"not a parameter of {type(module).__name__}; configure_optimizers must optimize the module's own parameters"
+                )
+            for key in keys_by_parameter[id(parameter)]:
+                pieces.extend(pieces_by_key.pop(key, []))
+        group["params"] = pieces
+
+
+class GradientStash:
+    """Keeps the gradients accumulated so far out of the executor's way during one step.
+
+    The executor sums replicated gradients over ranks right after backward (and under ZeRO
+    overwrites the owned chunks' gradients): a gradient already accumulated would be summed again.
+    So ``stash`` takes them out before the step and ``restore`` adds them back, after scaling the
+    new step's gradients by ``scale`` (``1 / accumulate_grad_batches``, as Lightning divides the
+    loss before its backward).
+    """
+
+    def __init__(self, holders: Iterable[torch.Tensor]) -> None:
+        self.holders = list(holders)
+        self.stashed: dict[int, torch.Tensor] = {}
+
+    def stash(self) -> None:
+        """Take every accumulated gradient out (``.grad = None``)."""
+        self.stashed = {}
+        for holder in self.holders:
+            if holder.grad is not None:
+                self.stashed[id(holder)] = holder.grad
+                holder.grad = None
+
+    def restore(self, scale: float) -> None:
+        """Scale the new gradients and add the stashed ones back."""
+        for holder in self.holders:
+            if holder.grad is not None and scale != 1.0:
+                holder.grad.mul_(scale)
+            previous = self.stashed.get(id(holder))
+            if previous is not None:
+                holder.grad = previous if holder.grad is None else previous.add_(holder.grad)
+        self.stashed = {}
+
+
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, replicas: dict[int, int], all_reduce: Any) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (2-norm) over the pieces of every rank.
+
+    Args:
+        parameters: This rank's pieces that the optimizer updates.
+        max_norm: The largest global norm allowed.
+        replicas: ``replica_counts``: a box held by ``n`` ranks adds ``1/n`` of its squared norm on
+            each, so that it counts once.
+        all_reduce: Sums a scalar tensor over the world.
+
+    Returns:
+        The global norm before clipping (what single-device ``clip_grad_norm_`` returns).
+    """
+    with_grad = [parameter for parameter in parameters if parameter.grad is not None]
+    device = with_grad[0].grad.device if with_grad else torch.device("cpu")
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    for parameter in with_grad:
+        local += parameter.grad.detach().double().pow(2).sum() / replicas.get(id(parameter), 1)
+    total = all_reduce(local).sqrt().float()
+    # torch.nn.utils.clip_grad_norm_'s rule: multiply by min(1, max_norm / (norm + 1e-6)).
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for parameter in with_grad:
+        parameter.grad.detach().mul_(coefficient.to(parameter.grad.dtype))
+    return total
