@@ -1,0 +1,26 @@
+"""plan.explain(): per-rank bytes and communication, read off the materialized program."""
+
+from __future__ import annotations
+
+import torch
+
+import lightning_nnscaler as lnn
+from lightning_nnscaler.materialize import AlphaBeta
+from lightning_nnscaler.models.gpt import GPT, GPTConfig
+from lightning_nnscaler.parallelize import explain_rank
+
+
+def test_explain_reports_sharded_parameters_and_communication() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.small())
+    batch = model.example_batch(4)
+    whole = sum(parameter.numel() * 4 for parameter in model.parameters())
+    dp = lnn.parallelize(model, batch, "dp", 2, step="training_step")
+    tp = lnn.parallelize(model, batch, "tp", 2, step="training_step", communication_cost=AlphaBeta(alpha=0.0, launch=0.0))
+    assert explain_rank(dp.program, 0)["parameters"] == whole
+    tp_rank = explain_rank(tp.program, 0)
+    assert tp_rank["parameters"] < 0.75 * whole  # attention and MLP weights are halved
+    assert tp_rank["optimizer"] == 2 * tp_rank["parameters"]
+    assert tp_rank["communication"] > 0
+    text = tp.explain()
+    assert "recipe tp" in text and text.count("\n") == 3  # title, header, one row per rank
