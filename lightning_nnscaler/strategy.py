@@ -16,7 +16,8 @@ step happens:
   generated module is loaded into a ``RankExecutor``, and the optimizers' param groups move onto
   the rank's pieces (``strategy_gradients.move_param_groups``).
 - **training_step** runs ``forward_backward`` (forward, backward and the gradient reduction) and
-  returns the loss, so Lightning logs it and steps the optimizer; its own backward is a no-op here.
+  returns the loss, so Lightning logs it and steps the optimizer; Lightning's ``backward`` then only
+  hands the step's gradients over (``strategy_gradients.GradientStash``).
 - **validation / test / predict** run the user's own steps on the full LightningModule, refreshed
   from every rank's shards first (``_refresh_module``).
 
@@ -285,17 +286,10 @@ class NnScalerStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         """One step of the parallelized ``training_step``; returns the whole loss (equal on every rank)."""
         assert self.lightning_module is not None and self.plan is not None and self._gradient_stash is not None
-        trainer = self.lightning_module.trainer
         batch = kwargs.get("batch", args[0] if args else None)
         inputs = self._graph_inputs(batch)
-        accumulate = trainer.accumulate_grad_batches
-        if accumulate > 1:
-            self._gradient_stash.stash()
         with self.precision_plugin.train_step_context():
-            loss = self.executor.forward_backward(inputs)
-        if accumulate > 1:
-            # Lightning divides the loss by accumulate_grad_batches before its backward; ours already ran.
-            self._gradient_stash.restore(1.0 / accumulate)
+            loss = self._gradient_stash.run_step(lambda: self.executor.forward_backward(inputs))
         for name, log_kwargs in self._loss_logs:
             self.lightning_module.log(name, loss, **log_kwargs)
         return loss
@@ -315,9 +309,14 @@ class NnScalerStrategy(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        """No backward here: ``training_step`` already ran it. Lightning's backward hooks still run."""
-        assert self.lightning_module is not None
+        """Hand over the gradients ``training_step`` computed (its generated step ran backward already).
+
+        Lightning's backward hooks still run; the gradients are scaled by ``1 / accumulate_grad_batches``
+        as Lightning's ``closure_loss`` is.
+        """
+        assert self.lightning_module is not None and self._gradient_stash is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self._gradient_stash.apply(1.0 / self.lightning_module.trainer.accumulate_grad_batches)
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
     @override

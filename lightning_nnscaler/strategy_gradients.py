@@ -6,15 +6,16 @@ belongs to and how many ranks hold the same box, so that
 
 - the user's ``configure_optimizers`` param groups (built over the full LightningModule) can be
   moved onto the pieces, key by key, keeping every group's hyperparameters and its LR schedulers;
-- gradients can be accumulated over several ``forward_backward`` calls even though the executor
-  sums replicated gradients after each one;
+- the gradients a ``forward_backward`` computes reach Lightning's ``backward`` (past its
+  ``zero_grad``) and accumulate over several batches, although the executor sums replicated
+  gradients over ranks after each one;
 - the global gradient norm counts each box once, however many ranks hold a replica of it.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -89,36 +90,42 @@ def move_param_groups(optimizer: torch.optim.Optimizer, module: nn.Module, execu
 
 
 class GradientStash:
-    """Keeps the gradients accumulated so far out of the executor's way during one step.
+    """Moves one step's gradients from ``training_step`` (where the executor computes them) to
+    ``backward`` (where Lightning expects them), past Lightning's ``zero_grad`` in between.
 
-    The executor sums replicated gradients over ranks right after backward (and under ZeRO
-    overwrites the owned chunks' gradients): a gradient already accumulated would be summed again.
-    So ``stash`` takes them out before the step and ``restore`` adds them back, after scaling the
-    new step's gradients by ``scale`` (``1 / accumulate_grad_batches``, as Lightning divides the
-    loss before its backward).
+    Lightning's closure runs ``training_step``, then ``zero_grad`` (on the first batch of an
+    accumulation window), then ``backward``. The executor's step already ran backward and summed
+    replicated gradients over ranks, and a gradient already held would be summed again, so
+    ``run_step`` runs it with every ``.grad`` taken out, keeps the new gradients aside and puts the
+    earlier ones back (for ``zero_grad`` to clear or keep); ``apply`` then adds the kept gradients,
+    scaled by ``1 / accumulate_grad_batches`` as Lightning divides the loss before its backward.
     """
 
     def __init__(self, holders: Iterable[torch.Tensor]) -> None:
         self.holders = list(holders)
-        self.stashed: dict[int, torch.Tensor] = {}
+        self.pending: dict[int, torch.Tensor] = {}
 
-    def stash(self) -> None:
-        """Take every accumulated gradient out (``.grad = None``)."""
-        self.stashed = {}
+    def run_step(self, step: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run ``step`` with no gradient held, keep what it computes for ``apply``; returns its result."""
+        earlier = {id(holder): holder.grad for holder in self.holders}
         for holder in self.holders:
-            if holder.grad is not None:
-                self.stashed[id(holder)] = holder.grad
-                holder.grad = None
+            holder.grad = None
+        result = step()
+        self.pending = {id(holder): holder.grad for holder in self.holders if holder.grad is not None}
+        for holder in self.holders:
+            holder.grad = earlier[id(holder)]
+        return result
 
-    def restore(self, scale: float) -> None:
-        """Scale the new gradients and add the stashed ones back."""
+    def apply(self, scale: float) -> None:
+        """Add the kept gradients, times ``scale``, to what the holders hold now."""
         for holder in self.holders:
-            if holder.grad is not None and scale != 1.0:
-                holder.grad.mul_(scale)
-            previous = self.stashed.get(id(holder))
-            if previous is not None:
-                holder.grad = previous if holder.grad is None else previous.add_(holder.grad)
-        self.stashed = {}
+            new = self.pending.get(id(holder))
+            if new is None:
+                continue
+            if scale != 1.0:
+                new.mul_(scale)
+            holder.grad = new if holder.grad is None else holder.grad.add_(new)
+        self.pending = {}
 
 
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, replicas: dict[int, int], all_reduce: Any) -> torch.Tensor:

@@ -15,6 +15,11 @@ Conventions shared by every implementation:
 - Point-to-point messages carry a tag that sender and receiver must agree on (gloo matches tags),
   *and* between two ranks they are received in the order they were sent (NCCL ignores tags and
   matches by order). The in-memory world enforces both.
+- ``all_reduce_async`` starts a sum and returns at once; ``handle.wait()`` returns it. Async sums run
+  on a channel of their own (separate process groups; a separate sequence in memory), so they never
+  pair with a blocking collective, and a rank blocked in a blocking collective cannot deadlock with
+  one that started async sums. Every rank of ``ranks`` must start its async sums over ``ranks`` in
+  the same order (not necessarily at the same point relative to blocking collectives).
 - Every wait is bounded by the communicator's timeout and raises ``CommunicationError`` naming the
   op, the peer or group, the tag and the timeout, so a dead or diverged peer fails instead of hangs.
   After a ``CommunicationError`` the communicator is unusable (gloo closes the pair on a timeout).
@@ -28,7 +33,7 @@ from typing import Iterable, Protocol, Sequence, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from lightning_nnscaler.runtime.groups import GroupCache
+from lightning_nnscaler.runtime.groups import GroupCache, MissingGroupError
 
 
 class CommunicationError(RuntimeError):
@@ -54,6 +59,9 @@ class Communicator(Protocol):
     def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
         """Sum over ``ranks``."""
 
+    def all_reduce_async(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> "AsyncHandle":
+        """Start a sum over ``ranks`` without blocking; ``handle.wait()`` returns it (see the module docstring)."""
+
     def all_gather(self, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
         """Concatenate every rank's tensor along ``dim`` in ``ranks`` order."""
 
@@ -73,6 +81,14 @@ class Communicator(Protocol):
 
     def barrier(self) -> None:
         """Wait for every rank of the world."""
+
+
+@runtime_checkable
+class AsyncHandle(Protocol):
+    """A started asynchronous collective."""
+
+    def wait(self) -> torch.Tensor:
+        """Block (within the communicator's timeout) until the collective completes; return its result."""
 
 
 def check_ranks(ranks: tuple[int, ...], rank: int, world_size: int) -> tuple[int, ...]:
@@ -126,11 +142,20 @@ class TorchDistributedCommunicator:
         self.timeout = timeout
         self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
         self.groups = GroupCache(timeout)
+        # The channel of all_reduce_async: a second process group per tuple (the world's included).
+        self._async_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         # (work, the tensor it reads, description): the tensor must stay alive until the send completes.
         self._pending_sends: list[tuple[dist.Work, torch.Tensor, str]] = []
 
     def create_groups(self, all_rank_tuples: Iterable[Sequence[int]]) -> None:
-        self.groups.create_groups(all_rank_tuples)
+        tuples = [tuple(sorted(ranks)) for ranks in all_rank_tuples]
+        self.groups.create_groups(tuples)  # checks that every rank passed the same sub-world tuples
+        # Same order on every rank: the sub-world tuples agree (checked above) and the world is always added.
+        needed = {ranks for ranks in tuples if 1 < len(ranks) < self.world_size}
+        if self.world_size > 1:
+            needed.add(tuple(range(self.world_size)))
+        for ranks in sorted(needed - set(self._async_groups), key=lambda ranks: (len(ranks), ranks)):
+            self._async_groups[ranks] = dist.new_group(list(ranks), timeout=timedelta(seconds=self.timeout))
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         check_peer(dst, self.rank, self.world_size)
@@ -154,6 +179,20 @@ class TorchDistributedCommunicator:
         if len(ranks) > 1:
             self._wait(dist.all_reduce(result, group=group, async_op=True), f"all_reduce over ranks {ranks}")
         return result
+
+    def all_reduce_async(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> "_TorchHandle":
+        ranks = check_ranks(ranks, self.rank, self.world_size)
+        result = tensor.detach().clone(memory_format=torch.contiguous_format)
+        description = f"all_reduce_async over ranks {ranks}"
+        if len(ranks) == 1:
+            return _TorchHandle(self, None, result, description)
+        group = self._async_groups.get(ranks)
+        if group is None:
+            raise MissingGroupError(
+                f"no process group for ranks {ranks}: pass every ranks tuple the program uses to "
+                "create_groups(...) on every rank before the first collective"
+            )
+        return _TorchHandle(self, dist.all_reduce(result, group=group, async_op=True), result, description)
 
     def all_gather(self, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
         group = self._group(ranks)
@@ -220,3 +259,16 @@ class TorchDistributedCommunicator:
             ) from error
         if completed is False:
             raise CommunicationError(f"rank {self.rank}: {description} did not complete within {self.timeout} s")
+
+
+class _TorchHandle:
+    """An ``all_reduce_async`` in flight on a process group; ``wait`` applies the communicator's timeout."""
+
+    def __init__(self, communicator: TorchDistributedCommunicator, work: dist.Work | None, result: torch.Tensor, description: str) -> None:
+        self._communicator, self._work, self._result, self._description = communicator, work, result, description
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            work, self._work = self._work, None
+            self._communicator._wait(work, self._description)
+        return self._result

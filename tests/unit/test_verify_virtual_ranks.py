@@ -9,14 +9,7 @@ import lightning_nnscaler as lnn
 from lightning_nnscaler.models.gpt import GPT, GPTConfig
 from lightning_nnscaler.models.mbart import MBart, MBartConfig
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Up to 32 virtual ranks share 2 cores: intra-op threads would only contend."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def wide_gpt() -> tuple[GPT, tuple]:

@@ -7,13 +7,10 @@ import torch
 from plans_support import Traced, traced
 
 
+
 @pytest.fixture(autouse=True)
-def one_thread():
-    """The graphs run many tiny kernels: a second intra-op thread only spins (4-10x slower on 2 busy cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def single_thread(one_thread: None) -> None:
+    """Every recipe test runs on one intra-op thread (see tests/conftest.py)."""
 
 
 @pytest.fixture
