@@ -269,6 +269,6 @@ class _TorchHandle:
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            work, self._work = self._work, None
-            self._communicator._wait(work, self._description)
+            self._communicator._wait(self._work, self._description)
+            self._work = None
         return self._result

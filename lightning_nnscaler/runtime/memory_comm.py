@@ -6,8 +6,11 @@
   returns, ``recv`` blocks until one arrives. Between two ranks, the k-th recv must take the k-th
   message sent, whatever the tags: NCCL matches point-to-point messages by issue order and ignores
   tags (gloo matches tags), so a program that passes here is correct on both backends.
-- rendezvous slots keyed by ``(ranks, sequence number)``: each rank's n-th collective over a
-  ``ranks`` tuple meets the other ranks' n-th one. Every rank deposits a clone of its tensor, and
+- rendezvous slots keyed by ``(channel, ranks, sequence number)``: each rank's n-th collective over
+  a ``ranks`` tuple meets the other ranks' n-th one. Blocking collectives use one channel and
+  ``all_reduce_async`` another, with sequences of their own (as the torch communicator uses
+  separate process groups). An async sum deposits when it starts and returns at once; its
+  ``wait()`` collects the deposits, so starting one never blocks. Every rank deposits a clone of its tensor, and
   once all have, each computes its own result from the deposits *in ranks order*, so sums are
   added in the same order everywhere and the results are bit-identical across ranks.
 
@@ -63,7 +66,7 @@ class InMemoryWorld:
         self._mailboxes: dict[tuple[int, int, int], deque[tuple[int, torch.Tensor]]] = defaultdict(deque)
         self._sent: dict[tuple[int, int], int] = defaultdict(int)  # messages sent from src to dst so far
         self._received: dict[tuple[int, int], int] = defaultdict(int)
-        self._rendezvous: dict[tuple[tuple[int, ...], int], _Rendezvous] = {}
+        self._rendezvous: dict[tuple[str, tuple[int, ...], int], _Rendezvous] = {}
 
     def fail(self, rank: int, error: BaseException) -> None:
         """Record the first failure and wake every waiting rank, whose waits then raise."""
@@ -97,23 +100,44 @@ class InMemoryWorld:
             return tensor
 
     def exchange(
-        self, rank: int, ranks: tuple[int, ...], sequence: int, signature: str, tensor: torch.Tensor | None
+        self, rank: int, ranks: tuple[int, ...], sequence: int, signature: str, tensor: torch.Tensor | None, channel: str = ""
     ) -> list[torch.Tensor | None]:
         """Deposit ``tensor`` in collective number ``sequence`` over ``ranks``; return all deposits in ranks order."""
-        key = (ranks, sequence)
-        description = f"rank {rank}: {signature} over ranks {ranks} (collective #{sequence} on them)"
+        self.deposit(rank, ranks, sequence, signature, tensor, channel)
+        return self.collect(rank, ranks, sequence, signature, channel)
+
+    def deposit(
+        self, rank: int, ranks: tuple[int, ...], sequence: int, signature: str, tensor: torch.Tensor | None, channel: str = ""
+    ) -> None:
+        """Deposit ``tensor`` in collective number ``sequence`` over ``ranks`` on ``channel``; never blocks."""
+        key = (channel, ranks, sequence)
         with self._condition:
+            if self.failure is not None:
+                failed_rank, error = self.failure
+                raise CommunicationError(
+                    f"rank {rank}: {signature} over ranks {ranks} aborted: rank {failed_rank} failed with {error!r}"
+                )
             slot = self._rendezvous.setdefault(key, _Rendezvous(signature))
             if slot.signature != signature:
                 error = CommunicationError(
                     f"rank {rank} called {signature} but another rank called {slot.signature} "
-                    f"as collective #{sequence} over ranks {ranks}: ranks disagree on the collective order"
+                    f"as {channel + ' ' if channel else ''}collective #{sequence} over ranks {ranks}: "
+                    "ranks disagree on the collective order"
                 )
                 self.failure = self.failure or (rank, error)
                 self._condition.notify_all()
                 raise error
             slot.deposits[rank] = tensor
             self._condition.notify_all()
+
+    def collect(
+        self, rank: int, ranks: tuple[int, ...], sequence: int, signature: str, channel: str = ""
+    ) -> list[torch.Tensor | None]:
+        """Wait until every rank deposited in collective ``sequence``; return the deposits in ranks order."""
+        key = (channel, ranks, sequence)
+        description = f"rank {rank}: {signature} over ranks {ranks} ({channel + ' ' if channel else ''}collective #{sequence} on them)"
+        with self._condition:
+            slot = self._rendezvous[key]
             self._wait_for(lambda: len(slot.deposits) == len(ranks), description)
             slot.taken += 1
             if slot.taken == len(ranks):
@@ -144,6 +168,7 @@ class InMemoryCommunicator:
         self.world_size = world.world_size
         self.timeout = world.timeout
         self._sequence: dict[tuple[int, ...], int] = defaultdict(int)
+        self._async_sequence: dict[tuple[int, ...], int] = defaultdict(int)
 
     def create_groups(self, all_rank_tuples: Iterable[Sequence[int]]) -> None:
         """Nothing to create in memory; only checks that each tuple names ranks of this world."""
@@ -171,6 +196,16 @@ class InMemoryCommunicator:
 
     def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
         return _sum_in_order(self._exchange(ranks, "all_reduce", tensor))
+
+    def all_reduce_async(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> "_InMemoryHandle":
+        """Deposit now (never blocks); the handle's ``wait()`` waits for the other ranks and sums in ranks order."""
+        ranks = check_ranks(ranks, self.rank, self.world_size)
+        sequence = self._async_sequence[ranks]
+        self._async_sequence[ranks] += 1
+        deposit = tensor.detach().clone(memory_format=torch.contiguous_format)
+        signature = f"all_reduce_async({tuple(deposit.shape)}, {deposit.dtype})"
+        self.world.deposit(self.rank, ranks, sequence, signature, deposit, _ASYNC_CHANNEL)
+        return _InMemoryHandle(self.world, self.rank, ranks, sequence, signature)
 
     def all_gather(self, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
         return torch.cat(self._exchange(ranks, f"all_gather(dim={dim})", tensor), dim)
@@ -212,6 +247,23 @@ class InMemoryCommunicator:
         self._sequence[ranks] += 1
         deposit = None if tensor is None else tensor.detach().clone(memory_format=torch.contiguous_format)
         return self.world.exchange(self.rank, ranks, sequence, signature, deposit)
+
+
+_ASYNC_CHANNEL = "async"
+
+
+class _InMemoryHandle:
+    """An ``all_reduce_async`` whose deposit is in the world; ``wait`` collects and sums (once)."""
+
+    def __init__(self, world: InMemoryWorld, rank: int, ranks: tuple[int, ...], sequence: int, signature: str) -> None:
+        self._world, self._rank, self._ranks, self._sequence, self._signature = world, rank, ranks, sequence, signature
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            deposits = self._world.collect(self._rank, self._ranks, self._sequence, self._signature, _ASYNC_CHANNEL)
+            self._result = _sum_in_order(deposits)
+        return self._result
 
 
 def _sum_in_order(tensors: list[torch.Tensor]) -> torch.Tensor:
