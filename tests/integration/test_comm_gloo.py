@@ -98,6 +98,64 @@ def autograd_scenario(comm) -> dict:
     return {"gradient": x.grad, **{name: y.detach() for name, y in outputs.items()}}
 
 
+def dp_autograd_scenario(comm) -> dict:
+    """Replicated weights whose hook-started bucket sums interleave with token-chained backward communication.
+
+    The weights over the world and over pairs share their tuples with the chain's collectives; even
+    and odd ranks apply two weights in opposite orders, so their gradient hooks fire in different orders.
+    """
+    from lightning_nnscaler.runtime import reducer as reducer_module
+    from lightning_nnscaler.runtime.reducer import GradientReducer
+
+    everyone, rank, n = tuple(range(comm.world_size)), comm.rank, comm.world_size
+    comm.create_groups([everyone, *pairs(n)])
+    generator = torch.Generator().manual_seed(7)
+    names = ["unused", "wa", "wb", "pair"]  # "unused" (no gradient) is the last bucket
+    weights = {name: torch.nn.Parameter(torch.randn(SHAPE[1], SHAPE[1], dtype=torch.float64, generator=generator)) for name in names}
+    saved, reducer_module.BUCKET_BYTES = reducer_module.BUCKET_BYTES, 1  # a bucket per weight
+    try:
+        reducer = GradientReducer([(weights[name], pair_of(rank) if name == "pair" else everyone) for name in names], comm, rank)
+    finally:
+        reducer_module.BUCKET_BYTES = saved
+    first, second = ("wa", "wb") if rank % 2 == 0 else ("wb", "wa")
+    x = rank_input(rank).requires_grad_(True)
+    token = ac.new_token()
+    h = x @ weights[first]
+    h, token = ac.all_reduce(token, h, everyone, comm)
+    h = h.tanh() @ weights["pair"]
+    gathered, token = ac.all_gather(token, h, 0, pair_of(rank), comm)
+    token = ac.send(token, h.sin(), (rank + 1) % n, 1, comm)
+    ring, token = ac.recv(token, SHAPE, torch.float64, (rank - 1) % n, 1, comm)
+    y = gathered.cos().sum(0) @ weights[second] + ring.sum()
+    ac.backward(token, [y.square().sum()])
+    comm.wait_sends()
+    reducer.after_backward()
+    comm.barrier()
+    started = torch.tensor([[len(ranks), index, during] for ranks, index, during in reducer.started_buckets])
+    return {"gradient": x.grad, "started": started, **{name: weight.grad for name, weight in weights.items()}}
+
+
+def gpt_dp_scenario(comm) -> dict:
+    """One forward/backward of GPT under the dp plan; this rank's summed parameter gradients by state key."""
+    import lightning_nnscaler as lnn
+    from lightning_nnscaler.codegen import module_from_source
+    from lightning_nnscaler.models.gpt import GPT, GPTConfig
+    from lightning_nnscaler.runtime.executor import RankExecutor
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.small())
+    batch = model.example_batch(4, torch.Generator().manual_seed(0))
+    plan = lnn.parallelize(model, batch, "dp", comm.world_size, step="training_step")
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    module = module_from_source(plan.sources[comm.rank], f"rank{comm.rank}")
+    executor = RankExecutor(module, comm.rank, state, plan.graph.constant_values, comm)
+    inputs = {tensor.name: value for tensor, value in zip(plan.graph.user_inputs, lnn.flatten_inputs(batch, step="training_step"))}
+    loss = executor.forward_backward(inputs)
+    gradients = {key: grad for key, _, grad in executor.gradients().values()}
+    during = [during for _, _, during in executor.reducer.started_buckets]
+    return {"loss": loss, "gradients": gradients, "buckets": len(during), "started_during_backward": sum(during)}
+
+
 def group_errors_scenario(comm) -> dict:
     """A group that was not created upfront, and ranks that pass different tuples to create_groups."""
     messages = {}
@@ -145,6 +203,8 @@ def silent_peer_scenario(comm) -> dict:
 SCENARIOS = {
     "collectives": (collectives_scenario, COMMUNICATION_TIMEOUT),
     "autograd": (autograd_scenario, COMMUNICATION_TIMEOUT),
+    "dp_autograd": (dp_autograd_scenario, COMMUNICATION_TIMEOUT),
+    "gpt_dp": (gpt_dp_scenario, 30.0),
     "group_errors": (group_errors_scenario, COMMUNICATION_TIMEOUT),
     "killed_peer": (killed_peer_scenario, 3.0),
     "silent_peer": (silent_peer_scenario, 1.0),
@@ -227,6 +287,43 @@ def test_gloo_gives_the_in_memory_worlds_values_and_gradients(scenario, world_si
         assert_same_results(outcome.result, expected[rank], rank)
     sums = [outcome.result["all_reduce"] for outcome in outcomes]
     assert all(torch.equal(total, sums[0]) for total in sums), "all_reduce differs bitwise between ranks"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_hook_started_gradient_sums_interleave_with_backward_communication(world_size, tmp_path):
+    outcomes, _ = launch(world_size, "dp_autograd", tmp_path)
+    assert_succeeded(outcomes)
+    expected = run_ranks(world_size, dp_autograd_scenario, timeout=COMMUNICATION_TIMEOUT)
+    for rank, outcome in enumerate(outcomes):
+        assert_same_results(outcome.result, expected[rank], rank)
+        assert outcome.result["started"][:, 2].any(), f"rank {rank} started no bucket during backward"
+        for group_size in outcome.result["started"][:, 0].unique():
+            indices = outcome.result["started"][outcome.result["started"][:, 0] == group_size][:, 1]
+            assert indices.tolist() == list(range(len(indices))), f"rank {rank} started buckets out of order"
+
+
+@pytest.mark.timeout(120)
+def test_dp_gpt_gradients_on_two_gloo_ranks_equal_single_device(tmp_path):
+    from lightning_nnscaler.models.gpt import GPT, GPTConfig
+
+    outcomes, _ = launch(2, "gpt_dp", tmp_path, deadline_s=100.0)
+    assert_succeeded(outcomes)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.small())
+    model.log = lambda *args, **kwargs: None
+    loss = model.training_step(model.example_batch(4, torch.Generator().manual_seed(0)), 0)
+    loss.backward()
+    expected = {key: parameter.grad for key, parameter in model.named_parameters()}
+    for rank, outcome in enumerate(outcomes):
+        result = outcome.result
+        torch.testing.assert_close(result["loss"], loss.detach(), rtol=1e-5, atol=1e-6)
+        assert result["gradients"].keys() == expected.keys()
+        for key, grad in expected.items():
+            torch.testing.assert_close(result["gradients"][key], grad, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k} on rank {rank}: {m}")
+        assert result["buckets"] >= 1 and result["started_during_backward"] >= 1
+    for key in expected:
+        assert torch.equal(outcomes[0].result["gradients"][key], outcomes[1].result["gradients"][key]), key
 
 
 @pytest.mark.timeout(60)
