@@ -19,7 +19,11 @@ step happens:
   returns the loss, so Lightning logs it and steps the optimizer; Lightning's ``backward`` then only
   hands the step's gradients over (``strategy_gradients.GradientStash``).
 - **validation / test / predict** run the user's own steps on the full LightningModule, refreshed
-  from every rank's shards first (``_refresh_module``).
+  from every rank's shards first (``_refresh_module``); so do the end of training and checkpoints,
+  whose optimizer state is assembled into the single-device one (``strategy_checkpoint``): they are
+  plain Lightning checkpoints, resumable under any recipe and world size.
+- **precision**: the step is traced and run under the precision plugin's autocast (bf16-mixed);
+  norm clipping uses the global norm over all ranks' pieces (``_clip_grad_by_norm``).
 
 Data: the generated code slices each rank's share out of the *global* batch, so every rank loads
 the same batches: ``distributed_sampler_kwargs`` is ``num_replicas=1, rank=0`` and the
@@ -40,37 +44,30 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_nnscaler.capture import flatten_inputs
 from lightning_nnscaler.codegen import module_from_source
-from lightning_nnscaler.parallelize import Plan, parallelize
-from lightning_nnscaler.plans.catalog import RecipeError, list_recipes, load_recipe
+from lightning_nnscaler.parallelize import Plan
+from lightning_nnscaler.plans.catalog import list_recipes
 from lightning_nnscaler.runtime import TorchDistributedCommunicator
 from lightning_nnscaler.runtime.executor import RankExecutor
-from lightning_nnscaler.strategy_gradients import GradientStash, clip_grad_norm, gradient_holders, move_param_groups, replica_counts
+from lightning_nnscaler.strategy_checkpoint import copy_pieces_into, full_optimizer_state
+from lightning_nnscaler.strategy_gradients import (
+    GradientStash, PieceOf, clip_grad_norm, gradient_holders, move_param_groups, piece_locations, replica_counts,
+)
 from lightning_nnscaler.strategy_logging import record_loss_logs
+from lightning_nnscaler.strategy_plan import check_recipe, check_supported, graph_inputs, plan_training_step
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
-
-
-def _usage_example(recipe: str) -> str:
-    """``NnScalerStrategy(recipe=..., <its parameters>)`` for an error message."""
-    try:
-        spec = load_recipe(recipe)
-    except RecipeError:
-        return "NnScalerStrategy(recipe='tp', degree=2)"
-    arguments = [f"recipe={recipe!r}"] + [f"{parameter.name}=<{parameter.type}>" for parameter in spec.parameters.values()]
-    return f"NnScalerStrategy({', '.join(arguments)})"
 
 
 class _NnScalerMultiProcessingLauncher(_MultiProcessingLauncher):
@@ -110,13 +107,7 @@ class NnScalerStrategy(ParallelStrategy):
         **recipe_params: Any,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
-        try:
-            load_recipe(recipe).check_parameters(recipe_params)
-        except RecipeError as error:
-            raise RecipeError(
-                f"NnScalerStrategy(recipe={recipe!r}, ...): {error}. Pass a recipe of the catalog and its parameters as "
-                f"keyword arguments, e.g. {_usage_example(recipe)}; `lightning_nnscaler.list_recipes()` lists them."
-            ) from error
+        check_recipe(recipe, recipe_params)
         if start_method not in _START_METHODS:
             raise ValueError(f"NnScalerStrategy(start_method={start_method!r}): use one of {', '.join(_START_METHODS)}")
         self.recipe = recipe
@@ -129,6 +120,8 @@ class NnScalerStrategy(ParallelStrategy):
         self._gradient_stash: Optional[GradientStash] = None
         self._replicas: dict[int, int] = {}
         self._loss_logs: list[tuple[str, dict[str, Any]]] = []
+        self._group_keys: list[list[list[str]]] = []
+        self._locations: dict[int, PieceOf] = {}
         self._module_is_stale = False
 
     # --- devices, ranks, launch ----------------------------------------------------------------
@@ -136,6 +129,7 @@ class NnScalerStrategy(ParallelStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
+        """This process's device."""
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
 
@@ -169,6 +163,7 @@ class NnScalerStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
+        """Lightning's script launcher (``popen``) or multiprocessing launcher, as for DDP."""
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -177,6 +172,7 @@ class NnScalerStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        """Join the process group: gloo on CPU, NCCL on CUDA, collectives timing out after ``timeout`` s."""
         super().setup_environment()
         self.set_world_ranks()
         backend = "nccl" if self.root_device.type == "cuda" else "gloo"
@@ -193,36 +189,28 @@ class NnScalerStrategy(ParallelStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
+        """Move the full module to the device with rank 0's weights and build the user's optimizers over it.
+
+        Raises:
+            MisconfigurationException: manual optimization, or a precision that needs a loss scaler.
+        """
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            self._check_supported(trainer)
+            assert self.lightning_module is not None
+            check_supported(self.lightning_module, self.precision_plugin, trainer.precision)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._broadcast_module_state()
         if fitting:
+            self.executor = self.plan = None  # planned again from the first batch, for the new optimizers
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             # The precision plugin's norm clipping sees only this rank's pieces: clip by the global norm instead.
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
-
-    def _check_supported(self, trainer: Trainer) -> None:
-        module = self.lightning_module
-        assert module is not None
-        if not module.automatic_optimization:
-            raise MisconfigurationException(
-                f"{type(module).__name__} sets automatic_optimization = False. NnScalerStrategy runs the captured "
-                "training_step (forward and backward) itself, so manual optimization is not supported: remove "
-                "`self.automatic_optimization = False` and return the loss from training_step."
-            )
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise MisconfigurationException(
-                f"precision={trainer.precision!r} needs a loss scaler, which the generated step does not apply yet; "
-                "use precision='bf16-mixed' or '32-true' with NnScalerStrategy."
-            )
 
     def _broadcast_module_state(self) -> None:
         """Start every rank from rank 0's weights, as DDP does (a script run per device may seed differently)."""
@@ -235,6 +223,7 @@ class NnScalerStrategy(ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
+        """Move the full LightningModule (used for evaluation and as the source of the pieces) to the device."""
         assert self.model is not None
         self.model.to(self.root_device)
 
@@ -248,37 +237,19 @@ class NnScalerStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         rank, world_size = self.global_rank, self.world_size
-        try:
-            plan = parallelize(module, batch, self.recipe, world_size, step="training_step", **self.recipe_params)
-        except Exception as error:  # noqa: BLE001 - every planning failure gets the recipe and the fix
-            raise MisconfigurationException(
-                f"NnScalerStrategy could not plan {type(module).__name__}.training_step with recipe {self.recipe!r} "
-                f"{self.recipe_params} on {world_size} ranks: {error}\nCheck the recipe's constraints "
-                f"(`lightning_nnscaler.list_recipes()`), the global batch size (the DataLoader's batch_size) and `devices`."
-            ) from error
-        self._check_same_plan(plan.plan_hash)
+        # Traced under the precision's autocast, as it will run: the plan's dtypes are what the step computes.
+        with self.precision_plugin.train_step_context():
+            plan = plan_training_step(module, batch, self.recipe, self.recipe_params, world_size, self._all_gather_objects)
         code = module_from_source(plan.sources[rank], f"nnscaler_rank{rank}_{plan.plan_hash[:12]}")
         state = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
         communicator = TorchDistributedCommunicator(timeout=self.timeout)
         self.executor = RankExecutor(code, rank, state, plan.graph.constant_values, communicator, self.root_device)
         self.plan = plan
-        for optimizer in self.optimizers:
-            move_param_groups(optimizer, module, self.executor)
+        self._group_keys = [move_param_groups(optimizer, module, self.executor) for optimizer in self.optimizers]
+        self._locations = piece_locations(self.executor)
         self._gradient_stash = GradientStash(gradient_holders(self.executor))
         self._replicas = replica_counts(self.executor)
         self._loss_logs = record_loss_logs(module, batch, batch_idx)
-
-    def _check_same_plan(self, plan_hash: str) -> None:
-        if self.world_size == 1:
-            return
-        hashes: list[Any] = [None] * self.world_size
-        dist.all_gather_object(hashes, plan_hash)
-        if len(set(hashes)) > 1:
-            raise RuntimeError(
-                f"the ranks planned different programs (plan hashes by rank: {[h[:12] for h in hashes]}); every rank "
-                "must trace the same first batch: keep NnScalerStrategy's sampler (use_distributed_sampler=True) and "
-                "the same data on every rank."
-            )
 
     # --- training --------------------------------------------------------------------------------
 
@@ -287,25 +258,12 @@ class NnScalerStrategy(ParallelStrategy):
         """One step of the parallelized ``training_step``; returns the whole loss (equal on every rank)."""
         assert self.lightning_module is not None and self.plan is not None and self._gradient_stash is not None
         batch = kwargs.get("batch", args[0] if args else None)
-        inputs = self._graph_inputs(batch)
+        inputs = graph_inputs(self.plan, batch)
         with self.precision_plugin.train_step_context():
             loss = self._gradient_stash.run_step(lambda: self.executor.forward_backward(inputs))
         for name, log_kwargs in self._loss_logs:
             self.lightning_module.log(name, loss, **log_kwargs)
         return loss
-
-    def _graph_inputs(self, batch: Any) -> dict[str, Tensor]:
-        assert self.plan is not None
-        values = flatten_inputs(batch, step="training_step")
-        expected = self.plan.graph.user_inputs
-        shapes = [tuple(value.shape) for value in values]
-        if shapes != [tuple(tensor.shape) for tensor in expected]:
-            raise MisconfigurationException(
-                f"a training batch has tensor shapes {shapes}, but the step was planned for {[tuple(t.shape) for t in expected]} "
-                "(the first batch). NnScalerStrategy needs batches of one shape: set drop_last=True on the train DataLoader "
-                "and pad sequences to a fixed length."
-            )
-        return {tensor.name: value for tensor, value in zip(expected, values)}
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
@@ -323,6 +281,7 @@ class NnScalerStrategy(ParallelStrategy):
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: Optional[Union[LightningModule, torch.nn.Module]] = None, **kwargs: Any
     ) -> Any:
+        """Lightning's optimizer step, then the executor's (ZeRO) bookkeeping."""
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.executor is not None:
             self.executor.after_optimizer_step()  # ZeRO gathers the updated chunks, or releases the boxes
@@ -345,31 +304,35 @@ class NnScalerStrategy(ParallelStrategy):
             return
         assert self.lightning_module is not None
         pieces = [(shard.state_key, shard.box, shard.tensor.cpu()) for shard in self.executor.full_shards().values()]
-        gathered: list[Any] = [pieces] if self.world_size == 1 else [None] * self.world_size
-        if self.world_size > 1:
-            dist.all_gather_object(gathered, pieces)
-        module = self.lightning_module
-        targets = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
-        with torch.no_grad():
-            for rank_pieces in gathered:
-                for state_key, box, tensor in rank_pieces:
-                    targets[state_key][tuple(slice(start, stop) for start, stop in box)].copy_(tensor)
+        copy_pieces_into(self.lightning_module, self._all_gather_objects(pieces))
         self._module_is_stale = False
+
+    def _all_gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, by rank (a collective)."""
+        if self.world_size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
 
     @override
     def on_validation_start(self) -> None:
+        """Validate the current weights: refresh the full module from the pieces."""
         self._refresh_module()
 
     @override
     def on_test_start(self) -> None:
+        """Test the current weights: refresh the full module from the pieces."""
         self._refresh_module()
 
     @override
     def on_predict_start(self) -> None:
+        """Predict with the current weights: refresh the full module from the pieces."""
         self._refresh_module()
 
     @override
     def on_train_end(self) -> None:
+        """Leave the trained weights in the LightningModule the user holds."""
         self._refresh_module()
 
     @override
@@ -378,21 +341,39 @@ class NnScalerStrategy(ParallelStrategy):
         self._refresh_module()
         return super().lightning_module_state_dict()
 
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The whole model's optimizer state, as a single device would save it (a collective).
+
+        See ``strategy_checkpoint``: the checkpoint stays a plain Lightning checkpoint.
+        """
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        if self.executor is None:
+            return super().optimizer_state(optimizer)
+        assert self.lightning_module is not None
+        shapes = {key: parameter.shape for key, parameter in self.lightning_module.named_parameters(remove_duplicate=False)}
+        group_keys = self._group_keys[self.optimizers.index(optimizer)]
+        return full_optimizer_state(optimizer, group_keys, self._locations, shapes, self._all_gather_objects)
+
     # --- collectives -----------------------------------------------------------------------------
 
     @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
+        """All-reduce ``tensor`` over ``group`` (the world by default); ``self.log(sync_dist=True)`` lands here."""
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Wait for every rank."""
         if _distributed_is_initialized():
             dist.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank."""
         if not _distributed_is_initialized():
             return obj
         container = [obj]
@@ -401,15 +382,15 @@ class NnScalerStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        """Undo the clipping hook; the executor stays (see below)."""
+        # The executor stays until the next fit: `trainer.save_checkpoint` after `fit` still needs its pieces.
         vars(self.precision_plugin).pop("clip_grad_by_norm", None)
-        self.executor = None
-        self.plan = None
-        self._gradient_stash = None
         super().teardown()
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``"nnscaler"`` (dp), ``"nnscaler_spawn"`` (dp, spawn launcher) and ``"nnscaler_<recipe>"`` per catalog recipe."""
         strategy_registry.register(
             "nnscaler", cls, description="nnScaler strategy with the default recipe (dp)", override=True, recipe="dp"
         )

@@ -5,7 +5,8 @@ the flat chunks it owns of replicated boxes. These helpers know which state_dict
 belongs to and how many ranks hold the same box, so that
 
 - the user's ``configure_optimizers`` param groups (built over the full LightningModule) can be
-  moved onto the pieces, key by key, keeping every group's hyperparameters and its LR schedulers;
+  moved onto the pieces, key by key, keeping every group's hyperparameters and its LR schedulers
+  (and state restored from a checkpoint, cut to the pieces);
 - the gradients a ``forward_backward`` computes reach Lightning's ``backward`` (past its
   ``zero_grad``) and accumulate over several batches, although the executor sums replicated
   gradients over ranks after each one;
@@ -15,6 +16,7 @@ belongs to and how many ranks hold the same box, so that
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -23,15 +25,36 @@ from torch import nn
 from lightning_nnscaler.runtime.executor import RankExecutor
 
 
-def piece_state_keys(executor: RankExecutor) -> dict[int, str]:
-    """The state_dict key of every trainable piece of ``executor``, by ``id(piece)``.
+@dataclass(frozen=True)
+class PieceOf:
+    """Where a piece the optimizer updates lies in its full parameter."""
 
-    ZeRO chunks are mapped through the box they were cut from.
-    """
-    keys = {id(shard.tensor): shard.state_key for shard in executor.shards.values()}
+    state_key: str
+    """The parameter's state_dict key."""
+    box: tuple[tuple[int, int], ...]
+    """The box of the parameter this piece is (or, under ZeRO, was cut from)."""
+    chunk: tuple[int, int] | None = None
+    """ZeRO only: ``(index, size)``: elements ``[index * size, (index + 1) * size)`` of the box
+    flattened and zero-padded (``runtime.reducer``'s layout)."""
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This piece of ``full``, a tensor of the whole parameter's shape (a copy)."""
+        region = full[tuple(slice(start, stop) for start, stop in self.box)]
+        if self.chunk is None:
+            return region.clone()
+        index, size = self.chunk
+        flat = torch.nn.functional.pad(region.reshape(-1), (0, max(0, (index + 1) * size - region.numel())))
+        return flat[index * size : (index + 1) * size].clone()
+
+
+def piece_locations(executor: RankExecutor) -> dict[int, PieceOf]:
+    """Where each piece the optimizer updates lies, by ``id(piece)``."""
+    boxes = {id(shard.tensor): PieceOf(shard.state_key, tuple(map(tuple, shard.box))) for shard in executor.shards.values()}
+    locations = {id(piece): boxes[id(piece)] for piece in executor.parameters() if id(piece) in boxes}
     for owned in executor.reducer.owned:  # ZeRO: the optimizer updates chunks of replicated boxes
-        keys[id(owned.chunk)] = keys[id(owned.box)]
-    return keys
+        box = boxes[id(owned.box)]
+        locations[id(owned.chunk)] = PieceOf(box.state_key, box.box, (owned.ranks.index(executor.rank), owned.chunk.numel()))
+    return locations
 
 
 def replica_counts(executor: RankExecutor) -> dict[int, int]:
@@ -52,41 +75,55 @@ def gradient_holders(executor: RankExecutor) -> list[torch.Tensor]:
     return list(holders.values())
 
 
-def move_param_groups(optimizer: torch.optim.Optimizer, module: nn.Module, executor: RankExecutor) -> None:
+def move_param_groups(optimizer: torch.optim.Optimizer, module: nn.Module, executor: RankExecutor) -> list[list[str]]:
     """Make ``optimizer`` (built by ``configure_optimizers`` over ``module``) update ``executor``'s pieces.
 
     Each group keeps its dict (so its hyperparameters and any LR scheduler attached to the
     optimizer stay as they are); only ``group["params"]`` is replaced by the pieces of the same
-    state_dict keys. Parameters the user left out of every group stay untrained, as before.
+    state_dict keys. Parameters the user left out of every group stay untrained, as before. State
+    the optimizer already has (restored from a checkpoint) is cut into the pieces' state.
+
+    Returns:
+        The state_dict keys of each group's full parameters, in the group's order.
 
     Raises:
-        ValueError: a group holds a tensor that is not a parameter of ``module``, or the optimizer
-            already has state (it must not have stepped over the full parameters).
+        ValueError: a group holds a tensor that is not a parameter of ``module``.
     """
-    if optimizer.state:
-        raise ValueError(
-            f"{type(optimizer).__name__} already has state for the full parameters; NnScalerStrategy moves the optimizer "
-            "onto the rank's shards before the first step. Resuming optimizer state from a checkpoint is not supported yet: "
-            "start from the checkpoint's weights with `trainer.fit(model)` after `model.load_state_dict(...)`."
-        )
     keys_by_parameter: dict[int, list[str]] = defaultdict(list)
     for key, parameter in module.named_parameters(remove_duplicate=False):
         keys_by_parameter[id(parameter)].append(key)
-    piece_keys = piece_state_keys(executor)
+    locations = piece_locations(executor)
     pieces_by_key: dict[str, list[torch.Tensor]] = defaultdict(list)
     for piece in executor.parameters():
-        pieces_by_key[piece_keys[id(piece)]].append(piece)
+        pieces_by_key[locations[id(piece)].state_key].append(piece)
+    group_keys, state = [], {}
     for index, group in enumerate(optimizer.param_groups):
-        pieces = []
+        keys, pieces = [], []
         for parameter in group["params"]:
             if id(parameter) not in keys_by_parameter:
                 raise ValueError(
                     f"param group {index} of {type(optimizer).__name__} holds a tensor of shape {tuple(parameter.shape)} that is "
                     f"not a parameter of {type(module).__name__}; configure_optimizers must optimize the module's own parameters"
                 )
+            keys.append(keys_by_parameter[id(parameter)][0])
             for key in keys_by_parameter[id(parameter)]:
-                pieces.extend(pieces_by_key.pop(key, []))
+                for piece in pieces_by_key.pop(key, []):
+                    pieces.append(piece)
+                    if parameter in optimizer.state:
+                        state[piece] = _cut_state(optimizer.state[parameter], parameter.shape, locations[id(piece)])
+        group_keys.append(keys)
         group["params"] = pieces
+    optimizer.state = defaultdict(dict, state)
+    return group_keys
+
+
+def _cut_state(full_state: dict[str, Any], shape: torch.Size, location: PieceOf) -> dict[str, Any]:
+    """A piece's optimizer state from the whole parameter's: elementwise tensors are cut, the rest copied."""
+    return {
+        name: location.take(value) if isinstance(value, torch.Tensor) and value.dim() and value.shape == shape
+        else (value.clone() if isinstance(value, torch.Tensor) else value)
+        for name, value in full_state.items()
+    }
 
 
 class GradientStash:

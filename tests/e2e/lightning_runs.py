@@ -20,7 +20,7 @@ import torch
 import lightning_nnscaler as lnn  # noqa: F401 - before lightning (keeps torchvision importable)
 
 import lightning as L  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from lightning_nnscaler.models.gpt import GPT, GPTConfig  # noqa: E402
@@ -82,29 +82,47 @@ class LossRecorder(Callback):
         self.learning_rates.append(trainer.optimizers[0].param_groups[0]["lr"])
 
 
+class OneThreadPerRank(Callback):
+    """Ranks share the machine's cores: more intra-op threads per rank only contend."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        torch.set_num_threads(1)
+
+
 def build_model() -> ScheduledGPT:
     """The same initial weights in every process."""
     torch.manual_seed(0)
     return ScheduledGPT(GPTConfig.small())
 
 
-def fit_gpt(strategy: Any, *, devices: int, steps: int = STEPS, accumulate: int = 1, clip: float | None = None, validate: bool = True, **trainer_kwargs: Any) -> dict[str, Any]:
-    """Train ``steps`` optimizer steps (each ``accumulate`` batches of ``GLOBAL_BATCH`` samples), then validate.
+def fit_gpt(
+    strategy: Any, *, devices: int, steps: int = STEPS, accumulate: int = 1, clip: float | None = None, validate: bool = True,
+    samples: int | None = None, checkpoint_dir: str | None = None, resume_from: str | None = None, **trainer_kwargs: Any,
+) -> dict[str, Any]:
+    """Train up to ``steps`` optimizer steps (each ``accumulate`` batches of ``GLOBAL_BATCH`` samples), then validate.
 
-    Returns the per-batch losses and LRs, the validation loss and the final full weights.
+    Args:
+        samples: Samples per epoch; by default exactly ``steps`` optimizer steps' worth.
+        checkpoint_dir: Save a checkpoint there at the end of every epoch (``ModelCheckpoint``).
+        resume_from: Resume training from that checkpoint (``trainer.fit(ckpt_path=...)``).
+
+    Returns:
+        The per-batch losses and LRs, the last logged train_loss, the validation loss and the final full weights.
     """
     global_samples = isinstance(strategy, lnn.NnScalerStrategy) or (isinstance(strategy, str) and strategy.startswith("nnscaler"))
     batch_size = GLOBAL_BATCH if global_samples else GLOBAL_BATCH // devices
-    train = DataLoader(TokenDataset(GLOBAL_BATCH * steps * accumulate, seed=1), batch_size=batch_size, shuffle=True, drop_last=True)
+    samples = samples or GLOBAL_BATCH * steps * accumulate
+    train = DataLoader(TokenDataset(samples, seed=1), batch_size=batch_size, shuffle=True, drop_last=True)
     val = DataLoader(TokenDataset(2 * GLOBAL_BATCH, seed=2), batch_size=batch_size)
     recorder = LossRecorder()
+    checkpoints = [ModelCheckpoint(dirpath=checkpoint_dir, save_top_k=-1, every_n_epochs=1)] if checkpoint_dir else []
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps, accumulate_grad_batches=accumulate,
-        gradient_clip_val=clip, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder], **trainer_kwargs,
+        gradient_clip_val=clip, logger=False, enable_checkpointing=bool(checkpoint_dir), enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder, *checkpoints], **trainer_kwargs,
     )
     model = build_model()
-    trainer.fit(model, train)
+    trainer.fit(model, train, val, ckpt_path=resume_from)  # validates at each epoch's end, mid-training too
     train_loss = float(trainer.callback_metrics["train_loss"])
     val_loss = float(trainer.validate(model, val, verbose=False)[0]["val_loss"]) if validate else None
     state = {key: value.detach().clone() for key, value in model.state_dict().items()}
@@ -122,8 +140,9 @@ def parity_worker(rank: int, world_size: int, runs: list[tuple[str, Any, dict[st
     return {label: fit_gpt(strategy, devices=world_size, **options) for label, strategy, options in runs}
 
 
-def single_device_losses(steps: int = STEPS) -> list[float]:
-    """Eager training in this process with the same model, data order and optimizer (no Trainer)."""
+def single_device_run(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Eager training in this process with the same model, data order, optimizer and LR schedule
+    (no Trainer): the per-step losses and the final weights."""
     model = build_model()
     model.log = lambda *args, **kwargs: None
     optimizer_config = model.configure_optimizers()
@@ -133,14 +152,13 @@ def single_device_losses(steps: int = STEPS) -> list[float]:
     losses = []
     for step in range(steps):
         indices = order[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
-        batch = (dataset.tokens[indices], dataset.targets[indices])
         optimizer.zero_grad()
-        loss = model.training_step(batch, step)
+        loss = model.training_step((dataset.tokens[indices], dataset.targets[indices]), step)
         loss.backward()
         optimizer.step()
         scheduler.step()
         losses.append(loss.item())
-    return losses
+    return losses, {key: value.detach().clone() for key, value in model.state_dict().items()}
 
 
 def main(strategy: str, devices: int, output: str) -> None:

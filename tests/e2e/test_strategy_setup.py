@@ -1,0 +1,129 @@
+"""NnScalerStrategy in one process: registered names, and bad input refused before training starts.
+
+The one-device runs join a 1-rank gloo group in the pytest process; the fixture leaves it and
+restores the environment variables Lightning's launcher set.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lightning_nnscaler as lnn
+from lightning_nnscaler import NnScalerStrategy
+from lightning_nnscaler.plans.catalog import RecipeError
+
+import lightning as L  # noqa: E402 - after lightning_nnscaler
+from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
+from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
+
+from lightning_runs import GLOBAL_BATCH, ScheduledGPT, TokenDataset, fit_gpt, single_device_run  # noqa: E402
+
+
+@pytest.fixture
+def one_rank_group():
+    environment = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environment)
+
+
+def test_every_catalog_recipe_has_a_registered_name() -> None:
+    expected = {"nnscaler", "nnscaler_spawn"} | {f"nnscaler_{spec.name}" for spec in lnn.list_recipes()}
+    assert expected <= set(StrategyRegistry.available_strategies())
+    assert StrategyRegistry.get("nnscaler").recipe == "dp"
+    trainer = L.Trainer(strategy="nnscaler_tp", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, NnScalerStrategy)
+    assert trainer.strategy.recipe == "tp"
+    assert trainer.strategy.world_size == 2
+    # Every rank loads the whole global batch; the generated code slices each rank's share.
+    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"recipe": "megatron"}, r"unknown recipe 'megatron'.*catalog.*has: coshard, dp"),
+        ({"recipe": "tp", "degree": "2"}, r"parameter 'degree' expects int, got str.*NnScalerStrategy\(recipe='tp', degree=<int>\)"),
+        ({"recipe": "dp", "shards": 2}, r"unknown parameter 'shards'"),
+        ({"recipe": "hybrid", "dp": 2}, r"parameter 'tp' \(int\) is required"),
+    ],
+)
+def test_bad_recipe_or_parameter_raises_at_construction(arguments: dict[str, Any], message: str) -> None:
+    with pytest.raises(RecipeError, match=message):
+        NnScalerStrategy(**arguments)
+
+
+@pytest.mark.timeout(120)
+def test_one_device_trains_like_eager(one_rank_group: None) -> None:
+    expected_losses, expected_state = single_device_run()
+    result = fit_gpt(NnScalerStrategy(recipe="dp"), devices=1)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6)
+    assert result["train_loss"] == pytest.approx(expected_losses[-1], rel=1e-5)  # self.log(sync_dist=True) replayed
+    for key, value in expected_state.items():
+        torch.testing.assert_close(result["state"][key], value, rtol=1e-5, atol=1e-5)
+
+
+class Untraceable(ScheduledGPT):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.compute_loss(batch)
+        if loss.item() > 100:  # Python control flow on a tensor value cannot be captured
+            loss = loss / 2
+        return loss
+
+
+class ManualOptimization(ScheduledGPT):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+
+class LogsAccuracy(ScheduledGPT):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.compute_loss(batch)
+        self.log("train_accuracy", (self(batch[0]).argmax(-1) == batch[1]).float().mean())
+        return loss
+
+
+def _fit_one_device(model: L.LightningModule, samples: int = GLOBAL_BATCH * 2, drop_last: bool = True) -> L.Trainer:
+    train = torch.utils.data.DataLoader(TokenDataset(samples, seed=1), batch_size=GLOBAL_BATCH, drop_last=drop_last)
+    trainer = L.Trainer(
+        strategy=NnScalerStrategy(), accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, train)
+    return trainer
+
+
+def _config() -> Any:
+    from lightning_nnscaler.models.gpt import GPTConfig
+
+    return GPTConfig.small()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("model_class", "samples", "drop_last", "message"),
+    [
+        (Untraceable, GLOBAL_BATCH * 2, True, r"could not plan Untraceable.training_step with recipe 'dp'.*cannot capture"),
+        (ManualOptimization, GLOBAL_BATCH * 2, True, r"manual optimization is not supported: remove `self.automatic_optimization = False`"),
+        (ScheduledGPT, GLOBAL_BATCH + 2, False, r"planned for \[\(4, 16\), \(4, 16\)\].*set drop_last=True"),
+    ],
+)
+def test_what_cannot_run_raises_naming_the_fix(one_rank_group: None, model_class: type, samples: int, drop_last: bool, message: str) -> None:
+    model = model_class(_config())
+    with pytest.raises(MisconfigurationException, match=message):
+        _fit_one_device(model, samples, drop_last)
+
+
+@pytest.mark.timeout(120)
+def test_logged_values_other_than_the_loss_are_reported(one_rank_group: None) -> None:
+    with pytest.warns(UserWarning, match=r"logs 'train_accuracy', which NnScalerStrategy does not compute"):
+        trainer = _fit_one_device(LogsAccuracy(_config()))
+    assert "train_accuracy" not in trainer.callback_metrics
