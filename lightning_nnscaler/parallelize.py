@@ -15,20 +15,13 @@ from lightning_nnscaler.capture import bind_inputs, trace
 from lightning_nnscaler.codegen import emit_rank, module_from_source, save_sources
 from lightning_nnscaler.codegen.load import digest
 from lightning_nnscaler.ir.graph import Graph
+from lightning_nnscaler.ir.tensor import dtype_bytes
 from lightning_nnscaler.materialize.dependencies import materialize
 from lightning_nnscaler.materialize.program import Collective, Compute, Program, Recv
 from lightning_nnscaler.runtime.executor import RankExecutor, merge_gradients
 from lightning_nnscaler.verify import EquivalenceError, evaluate
 
 CODEGEN_VERSION = "1"
-
-_DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1, "int8": 1, "uint8": 1}
-
-
-def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of a dtype name."""
-    return _DTYPE_BYTES.get(dtype, 4)
-
 
 @dataclass
 class VerifyReport:

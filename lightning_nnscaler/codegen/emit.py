@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from lightning_nnscaler.ir.op import Op
+from lightning_nnscaler.ir.printer import format_argument
 from lightning_nnscaler.materialize.program import Assemble, Collective, Compute, Program, RankProgram, Recv, Send
 
 HEADER = '''"""Rank {rank} of {world_size}: plan {plan_hash} ({label}).
@@ -155,20 +156,17 @@ def _slice_tuple(region: tuple[slice, ...]) -> str:
 
 
 def _literal(value: Any) -> str:
+    return format_argument(value, _codegen_leaf)
+
+
+def _codegen_leaf(value: Any) -> str | None:
     if isinstance(value, _Name):
         return value.text
-    if isinstance(value, list):
-        return "[" + ", ".join(map(_literal, value)) + "]"
-    if isinstance(value, tuple):
-        inner = ", ".join(map(_literal, value))
-        return f"({inner},)" if len(value) == 1 else f"({inner})"
     if isinstance(value, torch.device):
         return "DEVICE"
-    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-        return str(value)
     if isinstance(value, float) and not math.isfinite(value):
         return f"float('{value}')"
-    return repr(value)
+    return None
 
 
 # --- recompute groups: one checkpointed function per group --------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -35,14 +35,21 @@ class IRParseError(ValueError):
     """The text is not a graph's text form."""
 
 
-def format_argument(value: Argument) -> str:
-    """One argument as text: pieces as references, constants as Python literals."""
+def format_argument(value: Argument, leaf: Callable[[Any], str | None] | None = None) -> str:
+    """One argument as text: pieces as references, constants as Python literals.
+
+    ``leaf`` may render some values its own way (returning None for the rest); codegen uses it
+    for variable names, the rank's device and non-finite floats.
+    """
+    text = leaf(value) if leaf is not None else None
+    if text is not None:
+        return text
     if isinstance(value, VTensor):
         return str(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(map(format_argument, value)) + "]"
-    if isinstance(value, tuple):
-        inner = ", ".join(map(format_argument, value))
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(format_argument(item, leaf) for item in value)
+        if isinstance(value, list):
+            return f"[{inner}]"
         return f"({inner},)" if len(value) == 1 else f"({inner})"
     if isinstance(value, torch.device):
         return f"torch.device({str(value)!r})"

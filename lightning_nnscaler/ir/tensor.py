@@ -14,6 +14,12 @@ from typing import Literal
 
 TensorRole = Literal["input", "parameter", "buffer", "constant", "activation"]
 TENSOR_ROLES: tuple[str, ...] = ("input", "parameter", "buffer", "constant", "activation")
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1, "int8": 1, "uint8": 1}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name (4 for names not listed)."""
+    return DTYPE_BYTES.get(dtype, 4)
 
 
 @dataclass(frozen=True)

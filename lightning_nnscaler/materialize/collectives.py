@@ -9,12 +9,11 @@ Anything else (several pieces on one device, uneven chunks, groups that differ) 
 
 from __future__ import annotations
 
-from lightning_nnscaler.ir.tensor import VTensor
+from lightning_nnscaler.ir.tensor import DTYPE_BYTES, VTensor
 from lightning_nnscaler.materialize.layouts import Layout
 from lightning_nnscaler.materialize.search import AlphaBeta, CostModel, Path, search
 
 RUNNABLE = {"all-reduce", "all-gather", "reduce-scatter", "local-chunk", "local-value-split"}
-DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1}
 
 
 def collective_path(sources: dict[int, VTensor], targets: dict[int, VTensor], cost: CostModel | None = None) -> Path | None:
