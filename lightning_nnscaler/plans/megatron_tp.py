@@ -5,8 +5,12 @@ flows through elementwise ops, head views ``(c d)``, transposes and attention (h
 it reaches the next linear on its reduction dim ``k``: that one is split by rows, its outputs are
 partial sums (its bias is value-split, so it is added once) and the walk stops there; the
 materialization adds the all-reduce. Everything else (embeddings, LayerNorms, residual adds) is
-replicated. The final linears (LM head, classifier: no linear downstream) are left whole rather
-than split by vocabulary, since the cross-entropy after them needs whole logits anyway.
+replicated. A final linear (LM head, classifier: no linear downstream) is never column-split by
+vocabulary or class, since the cross-entropy after it needs whole logits anyway: it stays whole,
+unless its input arrives split (an MLP ``Linear -> act -> Linear`` ending in a classifier loss),
+then it is that pair's row-split linear, whose all-reduced output is whole logits again. Convs,
+pools and other non-linears start no split: a conv stem before such an MLP stays replicated, so
+that the MLP, not the conv, is the column/row pair.
 """
 
 from __future__ import annotations
@@ -44,13 +48,15 @@ def tensor_parallel(graph: Graph, parts: int, ops: Sequence[str] | None = None, 
 
 
 def megatron_choice(graph: Graph) -> Choose:
-    """The split rule: linears by rows when their input arrives split on ``k``, else by columns,
-    except the final ones (left whole); other ops follow the split that reaches them."""
+    """The split rule: linears by rows when their input arrives split on ``k`` (final ones too),
+    else by columns, except the final ones (left whole); other ops follow the split that reaches them."""
     final = final_linears(graph)
 
     def choose(op: Op, offered: list[str]) -> str | None:
         if op.target == LINEAR:
-            return None if op.source_name in final else "k" if "k" in offered else "n"
+            if "k" in offered:
+                return "k"
+            return None if op.source_name in final else "n"
         return offered[0] if offered else None
 
     return choose

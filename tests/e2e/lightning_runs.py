@@ -1,10 +1,13 @@
 """Trainer runs shared by the e2e tests (module-level, so spawned and re-launched processes import them).
 
-The same GPT reference model and data are trained with ``strategy="ddp"`` and with
+The same model and data are trained with ``strategy="ddp"`` and with
 ``NnScalerStrategy``. A DDP rank loads ``global_batch / world_size`` samples per step (its
 DistributedSampler takes every ``world_size``-th sample), while every nnscaler rank loads the whole
 global batch (``num_replicas=1``) and its generated code slices its share: both see the same
 samples per step, and DDP's gradient average equals our whole-batch mean loss's gradient.
+
+Two models: the GPT reference (``model="gpt"``) and `ConvClassifier` (``model="conv"``), a plain
+module with a conv stem and an MLP head and no attention, trained with SGD + momentum.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import lightning_nnscaler as lnn  # noqa: F401 - before lightning (keeps torchvision importable)
 
@@ -28,6 +33,8 @@ from lightning_nnscaler.models.gpt import GPT, GPTConfig  # noqa: E402
 GLOBAL_BATCH = 4
 STEPS = 5
 LEARNING_RATE = 1e-3
+CONV_LEARNING_RATE = 0.1
+SIGNAL_CHANNELS, SIGNAL_LENGTH, CLASSES = 3, 16, 10  # ConvClassifier's input (B, 3, 16), 10 classes
 
 
 class TokenDataset(Dataset):
@@ -69,17 +76,94 @@ class ScheduledGPT(GPT):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
 
-class LossRecorder(Callback):
-    """Per batch: the loss averaged over ranks, and the LR of the first param group."""
+class SignalDataset(Dataset):
+    """``size`` signals ``(SIGNAL_CHANNELS, SIGNAL_LENGTH)``, each labelled by the arg-max of a fixed
+    random projection of it (a rule the model can learn), fixed by ``seed``.
+
+    Amplitude 3 (not 1) lifts `ConvClassifier`'s gradient norm to about 2 (1.7-2.9 over 20 steps), so
+    that ``gradient_clip_val=1.0`` rescales every step (about 0.6-1.0 at amplitude 1: none).
+    """
+
+    def __init__(self, size: int, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.signals = 3.0 * torch.randn(size, SIGNAL_CHANNELS, SIGNAL_LENGTH, generator=generator)
+        projection = torch.randn(SIGNAL_CHANNELS * SIGNAL_LENGTH, CLASSES, generator=torch.Generator().manual_seed(99))
+        self.labels = (self.signals.flatten(1) @ projection).argmax(dim=1)
+
+    def __len__(self) -> int:
+        return len(self.signals)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.signals[index], self.labels[index]
+
+
+class ConvClassifier(L.LightningModule):
+    """A plain classifier without attention: Conv1d -> GELU -> flatten -> Linear -> GELU -> Linear ->
+    cross-entropy; SGD with momentum over two param groups and a step-wise StepLR schedule.
+
+    Sizes divide every split at 2 ranks: 8 conv channels, an MLP hidden of 32 (co-shard: 4 pieces of 8).
+    """
+
+    def __init__(self, conv_channels: int = 8, hidden: int = 32) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(SIGNAL_CHANNELS, conv_channels, kernel_size=3, padding=1)
+        self.fc1 = nn.Linear(conv_channels * SIGNAL_LENGTH, hidden)
+        self.fc2 = nn.Linear(hidden, CLASSES)
+
+    def forward(self, signals: torch.Tensor) -> torch.Tensor:
+        """Signals (B, C, L) -> class logits (B, CLASSES)."""
+        features = F.gelu(self.conv(signals)).flatten(1)  # (B, conv_channels * L)
+        return self.fc2(F.gelu(self.fc1(features)))
+
+    def compute_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Mean cross-entropy over the batch."""
+        signals, labels = batch
+        return F.cross_entropy(self(signals), labels)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The batch's loss, logged as train_loss."""
+        loss = self.compute_loss(batch)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The batch's loss, logged as val_loss."""
+        loss = self.compute_loss(batch)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        """SGD + momentum: the conv at half the MLP's LR; the LR halves every 5 optimizer steps."""
+        conv, mlp = list(self.conv.parameters()), [*self.fc1.parameters(), *self.fc2.parameters()]
+        optimizer = torch.optim.SGD(
+            [{"params": mlp, "weight_decay": 1e-4}, {"params": conv, "lr": 0.5 * CONV_LEARNING_RATE}],
+            lr=CONV_LEARNING_RATE, momentum=0.9,
+        )
+        halving = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": halving, "interval": "step"}}
+
+
+class StepRecorder(Callback):
+    """Per batch: the loss averaged over ranks and the LR of the first param group; per optimizer
+    step, the gradients' global 2-norm before clipping (only where the module's own parameters
+    hold whole gradients, as under DDP: an nnscaler rank's optimizer steps its pieces instead)."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.learning_rates: list[float] = []
+        self.gradient_norms: list[float] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         # A DDP rank's loss is its half batch's: the mean over ranks is the global batch's loss.
         self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
         self.learning_rates.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        # Lightning calls this hook after the (accumulated, DDP-averaged) backward, before clipping.
+        if isinstance(trainer.strategy, lnn.NnScalerStrategy):
+            return
+        gradients = [parameter.grad for parameter in pl_module.parameters() if parameter.grad is not None]
+        self.gradient_norms.append(float(torch.linalg.vector_norm(torch.stack([gradient.norm() for gradient in gradients]))))
 
 
 class OneThreadPerRank(Callback):
@@ -95,49 +179,102 @@ def build_model() -> ScheduledGPT:
     return ScheduledGPT(GPTConfig.small())
 
 
-def fit_gpt(
-    strategy: Any, *, devices: int, steps: int = STEPS, accumulate: int = 1, clip: float | None = None, validate: bool = True,
-    samples: int | None = None, checkpoint_dir: str | None = None, resume_from: str | None = None, **trainer_kwargs: Any,
+def build_conv_model() -> ConvClassifier:
+    """The same initial weights in every process."""
+    torch.manual_seed(0)
+    return ConvClassifier()
+
+
+MODELS = {"gpt": (build_model, TokenDataset), "conv": (build_conv_model, SignalDataset)}
+"""Model name -> (model builder, dataset class ``(size, seed)``)."""
+
+
+def make_strategy(strategy: str | dict[str, Any] | Any) -> Any:
+    """A Trainer ``strategy``: a registered name, an ``NnScalerStrategy``, or a dict of its arguments
+    (``{"recipe": "coshard", "shards": 2}``: picklable, so it crosses process launches)."""
+    return lnn.NnScalerStrategy(**strategy) if isinstance(strategy, dict) else strategy
+
+
+def fit(
+    strategy: Any, *, model: str = "gpt", devices: int, steps: int = STEPS, accumulate: int = 1, clip: float | None = None,
+    validate: bool = True, samples: int | None = None, checkpoint_dir: str | None = None, resume_from: str | None = None,
+    **trainer_kwargs: Any,
 ) -> dict[str, Any]:
-    """Train up to ``steps`` optimizer steps (each ``accumulate`` batches of ``GLOBAL_BATCH`` samples), then validate.
+    """Train ``model`` (a key of `MODELS`) up to ``steps`` optimizer steps (each ``accumulate``
+    batches of ``GLOBAL_BATCH`` samples), then validate.
 
     Args:
+        strategy: See `make_strategy`.
         samples: Samples per epoch; by default exactly ``steps`` optimizer steps' worth.
         checkpoint_dir: Save a checkpoint there at the end of every epoch (``ModelCheckpoint``).
         resume_from: Resume training from that checkpoint (``trainer.fit(ckpt_path=...)``).
 
     Returns:
-        The per-batch losses and LRs, the last logged train_loss, the validation loss and the final full weights.
+        The per-batch losses (as Lightning hands them to ``on_train_batch_end``: divided by
+        ``accumulate``) and LRs, the per-step gradient norms before clipping (DDP only), the last
+        logged train_loss, the validation loss, the final full weights and, under nnscaler, the
+        parameter ``boxes`` this rank holds and the plan's ``reads`` (see `parameter_reads`).
     """
+    strategy = make_strategy(strategy)
+    build, dataset = MODELS[model]
     global_samples = isinstance(strategy, lnn.NnScalerStrategy) or (isinstance(strategy, str) and strategy.startswith("nnscaler"))
     batch_size = GLOBAL_BATCH if global_samples else GLOBAL_BATCH // devices
     samples = samples or GLOBAL_BATCH * steps * accumulate
-    train = DataLoader(TokenDataset(samples, seed=1), batch_size=batch_size, shuffle=True, drop_last=True)
-    val = DataLoader(TokenDataset(2 * GLOBAL_BATCH, seed=2), batch_size=batch_size)
-    recorder = LossRecorder()
+    train = DataLoader(dataset(samples, seed=1), batch_size=batch_size, shuffle=True, drop_last=True)
+    val = DataLoader(dataset(2 * GLOBAL_BATCH, seed=2), batch_size=batch_size)
+    recorder = StepRecorder()
     checkpoints = [ModelCheckpoint(dirpath=checkpoint_dir, save_top_k=-1, every_n_epochs=1)] if checkpoint_dir else []
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps, accumulate_grad_batches=accumulate,
         gradient_clip_val=clip, logger=False, enable_checkpointing=bool(checkpoint_dir), enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder, *checkpoints], **trainer_kwargs,
     )
-    model = build_model()
-    trainer.fit(model, train, val, ckpt_path=resume_from)  # validates at each epoch's end, mid-training too
+    module = build()
+    trainer.fit(module, train, val, ckpt_path=resume_from)  # validates at each epoch's end, mid-training too
+    boxes, reads = held_boxes(trainer.strategy), parameter_reads(getattr(trainer.strategy, "plan", None))
     train_loss = float(trainer.callback_metrics["train_loss"])
-    val_loss = float(trainer.validate(model, val, verbose=False)[0]["val_loss"]) if validate else None
-    state = {key: value.detach().clone() for key, value in model.state_dict().items()}
-    return {"losses": recorder.losses, "learning_rates": recorder.learning_rates, "train_loss": train_loss, "val_loss": val_loss, "state": state}
+    val_loss = float(trainer.validate(module, val, verbose=False)[0]["val_loss"]) if validate else None
+    state = {key: value.detach().clone() for key, value in module.state_dict().items()}
+    return {
+        "losses": recorder.losses, "learning_rates": recorder.learning_rates, "gradient_norms": recorder.gradient_norms,
+        "train_loss": train_loss, "val_loss": val_loss, "state": state, "boxes": boxes, "reads": reads,
+    }
+
+
+def held_boxes(strategy: Any) -> dict[str, list[tuple[tuple[int, int], ...]]]:
+    """The parameter boxes (per dim ``(start, stop)``) an nnscaler rank holds, by state_dict key; {} otherwise."""
+    executor = getattr(strategy, "executor", None)
+    boxes: dict[str, list[tuple[tuple[int, int], ...]]] = {}
+    for shard in executor.shards.values() if executor is not None else ():
+        boxes.setdefault(shard.state_key, []).append(tuple(tuple(bounds) for bounds in shard.box))
+    return boxes
+
+
+def parameter_reads(plan: Any) -> dict[str, list[tuple[int, tuple[tuple[int, int], ...], int | None]]]:
+    """Per state_dict key, every planned op piece that reads the parameter: (device, the box it reads,
+    its recompute group); {} without a plan."""
+    reads: dict[str, list[tuple[int, tuple[tuple[int, int], ...], int | None]]] = {}
+    for op in plan.planned.ops if plan is not None else ():
+        for piece in op.tensor_inputs:
+            if piece.tensor.role == "parameter":
+                reads.setdefault(piece.tensor.state_key, []).append((op.device, tuple(piece.index.ranges), op.recompute))
+    return reads
+
+
+def fit_gpt(strategy: Any, *, devices: int, **options: Any) -> dict[str, Any]:
+    """`fit` the GPT reference (every `fit` keyword works)."""
+    return fit(strategy, model="gpt", devices=devices, **options)
 
 
 def parity_worker(rank: int, world_size: int, runs: list[tuple[str, Any, dict[str, Any]]]) -> dict[str, Any]:
-    """Run every ``(label, strategy, options)`` in turn in one process group, as torchrun would start them.
+    """Run every ``(label, strategy, fit options)`` in turn in one process group, as torchrun would start them.
 
     ``LOCAL_RANK`` tells Lightning the processes exist already (no launcher); the group made by
     ``runtime.launch`` is reused by every Trainer.
     """
     torch.set_num_threads(1)  # two ranks share the cores: more intra-op threads only contend
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
-    return {label: fit_gpt(strategy, devices=world_size, **options) for label, strategy, options in runs}
+    return {label: fit(strategy, devices=world_size, **options) for label, strategy, options in runs}
 
 
 def single_device_run(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -61,6 +61,37 @@ def test_megatron_rule_stops_at_the_row_split(mlp) -> None:
     lnn.assert_equivalent(graph, plan, inputs)
 
 
+class ConvThenMLP(nn.Module):
+    """A classifier without attention: the MLP's second linear is the final one (logits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 4, kernel_size=3, padding=1)
+        self.fc1 = nn.Linear(4 * 6, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = torch.relu(self.conv(x)).flatten(1)  # (B, 4 * 6)
+        return self.fc2(torch.nn.functional.gelu(self.fc1(features))).sum()
+
+
+def test_megatron_rule_row_splits_a_final_linear_whose_input_arrives_split() -> None:
+    torch.manual_seed(0)
+    module, example = ConvThenMLP(), (torch.randn(4, 2, 6),)
+    graph = lnn.trace(module, example)
+    plan = graph.copy()
+    walk = propagate(plan, 2, choose=megatron_choice(plan))
+    assert _origins([pieces[0] for pieces in walk.split]) == ["linear", "gelu", "linear"]  # column, follow, row
+    fc1, _, fc2 = walk.split
+    assert [piece.tensor_inputs[1].index.ranges for piece in fc1] == [((0, 4), (0, 24)), ((4, 8), (0, 24))]
+    assert [piece.tensor_inputs[1].index.ranges for piece in fc2] == [((0, 3), (0, 4)), ((0, 3), (4, 8))]
+    assert [piece.outputs[0].value.parts for piece in fc2] == [2, 2]  # the logits are all-reduced
+    assert _origins(walk.whole)[:3] == ["conv1d", "relu", "flatten"]  # a conv stem starts no split
+    place(plan, walk, [0, 1])
+    lnn.validate_plan(plan, 2)
+    lnn.assert_equivalent(graph, plan, lnn.bind_inputs(graph, module, example))
+
+
 def test_can_split_checks_names_and_sizes(mlp) -> None:
     graph, _ = mlp
     up = next(op for op in graph.ops if op.target == "aten.linear.default")
