@@ -19,11 +19,16 @@ step happens:
   returns the loss, so Lightning logs it and steps the optimizer; Lightning's ``backward`` then only
   hands the step's gradients over (``strategy_gradients.GradientStash``).
 - **validation / test / predict** run the user's own steps on the full LightningModule, refreshed
-  from every rank's shards first (``_refresh_module``); so do the end of training and checkpoints,
-  whose optimizer state is assembled into the single-device one (``strategy_checkpoint``): they are
-  plain Lightning checkpoints, resumable under any recipe and world size.
-- **precision**: the step is traced and run under the precision plugin's autocast (bf16-mixed);
-  norm clipping uses the global norm over all ranks' pieces (``_clip_grad_by_norm``).
+  from every rank's shards first (``_refresh_module``); so does the end of training.
+- **checkpoints** are sharded directories: every rank writes its own pieces atomically, rank 0 the
+  rest of Lightning's checkpoint and, last, the metadata (``strategy_checkpoint``,
+  ``lightning_nnscaler.checkpoint``). Loading assembles the single-device checkpoint, so a run
+  resumes under any recipe and world size (the first batch's plan cuts it into pieces); plain
+  checkpoint files (``lightning-nnscaler ckpt merge``'s, or DDP's) load too.
+- **precision**: the step is traced and run under the precision plugin's autocast (bf16-mixed,
+  16-mixed); with 16-mixed, backward is seeded with the loss scale and the ``GradScaler`` becomes a
+  ``ShardedGradScaler`` (an overflow on any rank skips the step on all). Norm clipping uses the
+  global norm over all ranks' pieces (``_clip_grad_by_norm``).
 
 Data: the generated code slices each rank's share out of the *global* batch, so every rank loads
 the same batches: ``distributed_sampler_kwargs`` is ``num_replicas=1, rank=0`` and the
@@ -32,6 +37,7 @@ DataLoader's ``batch_size`` is the global batch size (what a DDP run spreads ove
 
 from __future__ import annotations
 
+import signal
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -52,6 +58,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -60,11 +67,14 @@ from lightning_nnscaler.parallelize import Plan
 from lightning_nnscaler.plans.catalog import list_recipes
 from lightning_nnscaler.runtime import TorchDistributedCommunicator
 from lightning_nnscaler.runtime.executor import RankExecutor
-from lightning_nnscaler.strategy_checkpoint import copy_pieces_into, full_optimizer_state
+from lightning_nnscaler import checkpoint as sharded_checkpoint
+from lightning_nnscaler.strategy_checkpoint import (
+    copy_pieces_into, group_keys_of, held_model_pieces, held_optimizer_pieces, save_sharded, single_device_param_groups,
+)
 from lightning_nnscaler.strategy_gradients import (
     GradientStash, PieceOf, clip_grad_norm, gradient_holders, move_param_groups, piece_locations, replica_counts,
 )
-from lightning_nnscaler.strategy_logging import record_loss_logs
+from lightning_nnscaler.strategy_logging import log_plan, record_loss_logs
 from lightning_nnscaler.strategy_plan import check_recipe, check_supported, graph_inputs, plan_training_step
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -84,7 +94,7 @@ class NnScalerStrategy(ParallelStrategy):
         parallel_devices: Set by the Trainer from ``devices``.
         cluster_environment: Set by the Trainer (Lightning, torchrun, SLURM, ...).
         checkpoint_io: Set by the Trainer.
-        precision_plugin: Set by the Trainer from ``precision`` (32-true, bf16-mixed).
+        precision_plugin: Set by the Trainer from ``precision`` (32-true, bf16-mixed, bf16-true, 16-mixed).
         timeout: Seconds any collective may wait before it fails (a dead rank fails the run).
         start_method: ``"popen"`` runs the script once per device (like ``strategy="ddp"``);
             ``"spawn"``/``"fork"`` use Lightning's multiprocessing launcher.
@@ -192,14 +202,14 @@ class NnScalerStrategy(ParallelStrategy):
         """Move the full module to the device with rank 0's weights and build the user's optimizers over it.
 
         Raises:
-            MisconfigurationException: manual optimization, or a precision that needs a loss scaler.
+            MisconfigurationException: manual optimization, or a recipe that does not fit the devices.
         """
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             assert self.lightning_module is not None
-            check_supported(self.lightning_module, self.precision_plugin, trainer.precision)
+            check_supported(self.lightning_module, self.recipe, self.recipe_params, self.world_size)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._broadcast_module_state()
@@ -208,9 +218,21 @@ class NnScalerStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
+            self._share_inf_checks()
             _optimizers_to_device(self.optimizers, self.root_device)
             # The precision plugin's norm clipping sees only this rank's pieces: clip by the global norm instead.
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+
+    def _share_inf_checks(self) -> None:
+        """16-mixed: the precision plugin's ``GradScaler`` becomes a ``ShardedGradScaler`` with the same
+        settings, whose inf/NaN check is all-reduced, so a step skipped on one rank's pieces is skipped on all."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is None or isinstance(scaler, ShardedGradScaler) or self.world_size == 1:
+            return
+        self.precision_plugin.scaler = ShardedGradScaler(  # type: ignore[attr-defined]
+            device=self.root_device.type, init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
+            backoff_factor=scaler.get_backoff_factor(), growth_interval=scaler.get_growth_interval(), enabled=scaler.is_enabled(),
+        )
 
     def _broadcast_module_state(self) -> None:
         """Start every rank from rank 0's weights, as DDP does (a script run per device may seed differently)."""
@@ -250,17 +272,32 @@ class NnScalerStrategy(ParallelStrategy):
         self._gradient_stash = GradientStash(gradient_holders(self.executor))
         self._replicas = replica_counts(self.executor)
         self._loss_logs = record_loss_logs(module, batch, batch_idx)
+        log_plan(module.loggers, plan)  # rank 0: recipe, parameters, plan hash, memory estimate, code
 
     # --- training --------------------------------------------------------------------------------
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
-        """One step of the parallelized ``training_step``; returns the whole loss (equal on every rank)."""
+        """One step of the parallelized ``training_step``; returns the whole loss (equal on every rank).
+
+        The gradients are those of Lightning's ``closure_loss`` (the loss divided by
+        ``accumulate_grad_batches``); they are summed over ranks on the last batch of an
+        accumulation window only (DDP's ``no_sync`` on the others).
+        """
         assert self.lightning_module is not None and self.plan is not None and self._gradient_stash is not None
         batch = kwargs.get("batch", args[0] if args else None)
+        batch_idx = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
+        trainer = self.lightning_module.trainer
         inputs = graph_inputs(self.plan, batch)
+        scaler = getattr(self.precision_plugin, "scaler", None)  # 16-mixed: backward of the loss times the loss scale
+        scale = (scaler.get_scale() if scaler is not None else 1.0) / trainer.accumulate_grad_batches
+        reduce = not trainer.fit_loop._should_accumulate()
+        # Lightning's zero_grad comes between training_step and backward on a window's first batch.
+        first_of_window = batch_idx % trainer.accumulate_grad_batches == 0
         with self.precision_plugin.train_step_context():
-            loss = self._gradient_stash.run_step(lambda: self.executor.forward_backward(inputs))
+            loss = self._gradient_stash.run_step(
+                lambda: self.executor.forward_backward(inputs, loss_scale=scale, reduce_gradients=reduce), zero_grad_follows=first_of_window
+            )
         for name, log_kwargs in self._loss_logs:
             self.lightning_module.log(name, loss, **log_kwargs)
         return loss
@@ -269,12 +306,11 @@ class NnScalerStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         """Hand over the gradients ``training_step`` computed (its generated step ran backward already).
 
-        Lightning's backward hooks still run; the gradients are scaled by ``1 / accumulate_grad_batches``
-        as Lightning's ``closure_loss`` is.
+        Lightning's backward hooks still run.
         """
         assert self.lightning_module is not None and self._gradient_stash is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self._gradient_stash.apply(1.0 / self.lightning_module.trainer.accumulate_grad_batches)
+        self._gradient_stash.apply()
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
     @override
@@ -337,24 +373,64 @@ class NnScalerStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full model's state, assembled from every rank's pieces."""
-        self._refresh_module()
-        return super().lightning_module_state_dict()
+        """Nothing: ``save_checkpoint`` writes each rank's own pieces (``strategy_checkpoint``), so no
+        rank assembles the whole model to save it."""
+        return {}
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The whole model's optimizer state, as a single device would save it (a collective).
-
-        See ``strategy_checkpoint``: the checkpoint stays a plain Lightning checkpoint.
-        """
+        """The param groups a single-device optimizer over the whole module would save; the state itself
+        is written by ``save_checkpoint``, each rank its pieces'."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        if self.executor is None:
-            return super().optimizer_state(optimizer)
         assert self.lightning_module is not None
-        shapes = {key: parameter.shape for key, parameter in self.lightning_module.named_parameters(remove_duplicate=False)}
-        group_keys = self._group_keys[self.optimizers.index(optimizer)]
-        return full_optimizer_state(optimizer, group_keys, self._locations, shapes, self._all_gather_objects)
+        return single_device_param_groups(optimizer, self._optimizer_group_keys(optimizer))
+
+    def _optimizer_group_keys(self, optimizer: Optimizer) -> list[list[str]]:
+        """Per param group, the state_dict keys of its full parameters."""
+        assert self.lightning_module is not None
+        if self.executor is not None:
+            return self._group_keys[self.optimizers.index(optimizer)]
+        return group_keys_of(optimizer, self.lightning_module)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write a sharded checkpoint directory at ``filepath``: every rank its pieces, atomically (all ranks call it).
+
+        See ``lightning_nnscaler.checkpoint`` for the format; ``lightning-nnscaler ckpt merge`` makes a
+        plain single-file checkpoint of it.
+        """
+        if storage_options is not None:
+            raise TypeError(f"NnScalerStrategy.save_checkpoint does not take storage_options (got {storage_options!r})")
+        module = self.lightning_module
+        assert module is not None
+        optimizers = [optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer for optimizer in self.optimizers]
+        save_sharded(
+            checkpoint, filepath, rank=self.global_rank, world_size=self.world_size, module=module,
+            model_pieces=held_model_pieces(self.executor),
+            optimizer_pieces=[held_optimizer_pieces(optimizer, self._locations if self.executor else {}, module) for optimizer in optimizers],
+            group_keys=[self._optimizer_group_keys(optimizer) for optimizer in optimizers],
+            plan={
+                "recipe": self.recipe, "recipe_params": self.recipe_params,
+                "plan_hash": self.plan.plan_hash if self.plan is not None and self.executor is not None else None,
+            },
+            gather=self._all_gather_objects,
+        )
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """The single-device checkpoint, assembled from a sharded directory (saved under any recipe and
+        world size) or read from a plain file; always ``torch.load(weights_only=True)``."""
+        if sharded_checkpoint.is_sharded_checkpoint(checkpoint_path):
+            return sharded_checkpoint.load(checkpoint_path)
+        return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=True)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Load the full module; it is the truth now (an earlier fit's pieces are dropped)."""
+        super().load_model_state_dict(checkpoint, strict=strict)
+        self.executor = None
+        self._module_is_stale = False
 
     # --- collectives -----------------------------------------------------------------------------
 
@@ -379,6 +455,13 @@ class NnScalerStrategy(ParallelStrategy):
         container = [obj]
         dist.broadcast_object_list(container, src)
         return container[0]
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A failing rank 0 takes down the ranks the script launcher started (Lightning's own watcher
+        only reacts to a failing child), so none waits in a collective until its timeout."""
+        if isinstance(self._launcher, _SubprocessScriptLauncher):
+            self._launcher.kill(signal.SIGKILL)
 
     @override
     def teardown(self) -> None:

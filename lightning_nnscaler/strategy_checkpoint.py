@@ -1,30 +1,37 @@
-"""The full model and optimizer state ``NnScalerStrategy`` assembles from every rank's pieces.
+"""What ``NnScalerStrategy`` saves and restores: the full module refreshed from the pieces, and
+sharded checkpoints (``lightning_nnscaler.checkpoint`` holds the format).
 
-The full LightningModule is refreshed from the pieces (``copy_pieces_into``) before evaluation
-loops, at the end of training and for checkpoints, whose optimizer state is assembled likewise.
+The full LightningModule is refreshed from every rank's pieces (``copy_pieces_into``) before
+evaluation loops and at the end of training.
 
-Every rank's optimizer holds state for its pieces only (boxes, or ZeRO chunks). For a checkpoint,
-the pieces' states are gathered and assembled into the ``state_dict`` that a single-device
-optimizer over the whole LightningModule would have (same param groups, same parameter order).
-So a checkpoint saved under any recipe and world size is an ordinary Lightning checkpoint: it
-loads with ``strategy="auto"``, and ``trainer.fit(ckpt_path=...)`` under another recipe or world
-size reshards it (``strategy_gradients.move_param_groups`` cuts it into that plan's pieces).
-
-Every rank assembles the whole state (memory of a full optimizer state per rank, for the moment
-of saving); a sharded checkpoint format is left for later.
+Saving: each rank lists the pieces it holds (model boxes; optimizer state of the boxes or ZeRO
+chunks its optimizer updates); the lists are gathered (small: locations only) so that a box held
+by several ranks (data-parallel replicas) is written once, by the lowest of them, and state the
+plan never touches (e.g. a head used only in ``validation_step``) is written whole by rank 0. Each
+rank then writes its own file; no rank ever holds the whole model state.
 """
 
 from __future__ import annotations
 
-import math
+import os
+import shutil
+import uuid
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
+from torch import nn
 
+from lightning_nnscaler.checkpoint import (
+    COMMON, CheckpointError, PieceLocation, commit, full_box, partial_directory, rank_file_name, rank_payload, write_atomically,
+)
+from lightning_nnscaler.runtime.executor import RankExecutor
 from lightning_nnscaler.strategy_gradients import PieceOf
 
-def copy_pieces_into(module: torch.nn.Module, gathered: list[list[tuple[str, Any, torch.Tensor]]]) -> None:
+_Entry = tuple[Any, ...]  # a piece's identity: ("model", location) or ("optimizer", index, location)
+
+
+def copy_pieces_into(module: nn.Module, gathered: list[list[tuple[str, Any, torch.Tensor]]]) -> None:
     """Write every rank's ``(state_dict key, box, values)`` pieces into ``module``'s parameters and buffers."""
     targets = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
     with torch.no_grad():
@@ -33,73 +40,152 @@ def copy_pieces_into(module: torch.nn.Module, gathered: list[list[tuple[str, Any
                 targets[state_key][tuple(slice(start, stop) for start, stop in box)].copy_(values)
 
 
-# (where the piece lies, its shape, its optimizer state with tensors on the CPU)
-_PieceState = tuple[PieceOf, tuple[int, ...], dict[str, Any]]
+def tied_key_groups(module: nn.Module) -> list[list[str]]:
+    """State_dict keys that name one tensor (tied weights), in groups of two or more."""
+    keys_by_tensor: dict[int, list[str]] = defaultdict(list)
+    for key, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        keys_by_tensor[id(tensor)].append(key)
+    return [keys for keys in keys_by_tensor.values() if len(keys) > 1]
 
 
-def full_optimizer_state(
-    optimizer: torch.optim.Optimizer,
-    group_keys: list[list[str]],
-    locations: dict[int, PieceOf],
-    shapes: dict[str, torch.Size],
-    gather: Callable[[list[_PieceState]], list[list[_PieceState]]],
-) -> dict[str, Any]:
-    """The single-device ``optimizer.state_dict()`` of the whole model, from every rank's pieces.
+def group_keys_of(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[list[str]]:
+    """Per param group, the state_dict key of each of its (full) parameters, in order."""
+    key_of = {}
+    for key, parameter in module.named_parameters(remove_duplicate=False):
+        key_of.setdefault(id(parameter), key)
+    return [[key_of[id(parameter)] for parameter in group["params"]] for group in optimizer.param_groups]
+
+
+def single_device_param_groups(optimizer: torch.optim.Optimizer, group_keys: list[list[str]]) -> dict[str, Any]:
+    """The ``param_groups`` a single-device ``optimizer.state_dict()`` would have (``params`` as indices
+    in key order), with an empty ``state``: the state itself lies in the rank files."""
+    groups, index = [], 0
+    for group, keys in zip(optimizer.param_groups, group_keys):
+        groups.append({**{name: value for name, value in group.items() if name != "params"}, "params": list(range(index, index + len(keys)))})
+        index += len(keys)
+    return {"state": {}, "param_groups": groups}
+
+
+def held_model_pieces(executor: Optional[RankExecutor]) -> list[tuple[PieceLocation, torch.Tensor]]:
+    """This rank's parameter and buffer boxes with their current values (ZeRO-3 gathers them: a collective)."""
+    if executor is None:
+        return []
+    return [(PieceLocation(shard.state_key, tuple(map(tuple, shard.box))), shard.tensor) for shard in executor.full_shards().values()]
+
+
+def held_optimizer_pieces(
+    optimizer: torch.optim.Optimizer, locations: dict[int, PieceOf], module: nn.Module
+) -> list[tuple[PieceLocation, dict[str, Any]]]:
+    """The optimizer state of each piece it updates. ``locations`` is empty before planning, when the
+    optimizer still updates the full module's parameters."""
+    key_of = {}
+    for key, parameter in module.named_parameters(remove_duplicate=False):
+        key_of.setdefault(id(parameter), key)
+    pieces = []
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            state = optimizer.state.get(parameter)
+            if not state:
+                continue
+            where = locations.get(id(parameter))
+            location = (
+                PieceLocation(where.state_key, where.box, where.chunk) if where is not None
+                else PieceLocation(key_of[id(parameter)], full_box(parameter.shape))
+            )
+            pieces.append((location, state))
+    return pieces
+
+
+def save_sharded(
+    checkpoint: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    rank: int,
+    world_size: int,
+    module: nn.Module,
+    model_pieces: list[tuple[PieceLocation, torch.Tensor]],
+    optimizer_pieces: list[list[tuple[PieceLocation, dict[str, Any]]]],
+    group_keys: list[list[list[str]]],
+    plan: dict[str, Any],
+    gather: Callable[[Any], list[Any]],
+) -> None:
+    """Write ``checkpoint`` as a sharded checkpoint directory at ``path`` (all ranks call it).
 
     Args:
-        optimizer: This rank's optimizer (over its pieces).
-        group_keys: Per param group, the state_dict keys of its full parameters in order
-            (what ``move_param_groups`` returned).
-        locations: ``piece_locations`` of this rank's executor.
-        shapes: Full parameter shapes by state_dict key.
-        gather: Collects every rank's list (a collective: all ranks call it).
+        checkpoint: What Lightning dumped (its ``state_dict`` and optimizer states are replaced by the pieces).
+        module: The full LightningModule (shapes, tied keys, and the values of state the plan does not hold).
+        model_pieces / optimizer_pieces: ``held_model_pieces`` / per optimizer ``held_optimizer_pieces``.
+        group_keys: Per optimizer, ``group_keys_of``.
+        plan: Recipe, parameters and code hash, recorded in the metadata.
+        gather: Every rank's object, by rank (a collective).
+
+    Raises:
+        CheckpointError: a rank failed to write its file; the earlier checkpoint at ``path`` is kept.
     """
-    local = [
-        (locations[id(piece)], tuple(piece.shape), {name: _to_cpu(value) for name, value in optimizer.state[piece].items()})
-        for group in optimizer.param_groups
-        for piece in group["params"]
-        if optimizer.state.get(piece)
+    token = gather(uuid.uuid4().hex[:12])[0]
+    with_optimizers = "optimizer_states" in checkpoint
+    optimizer_pieces = optimizer_pieces if with_optimizers else []
+    entries = [("model", location) for location, _ in model_pieces]
+    entries += [("optimizer", index, location) for index, pieces in enumerate(optimizer_pieces) for location, _ in pieces]
+    writers = _first_holders(gather(entries))
+    mine = [(location, value) for location, value in model_pieces if writers[("model", location)] == rank]
+    if rank == 0:
+        mine += _state_the_plan_does_not_hold(module, {entry[1].state_key for entry in writers if entry[0] == "model"})
+    my_optimizer_pieces = [
+        [(location, state) for location, state in pieces if writers[("optimizer", index, location)] == rank]
+        for index, pieces in enumerate(optimizer_pieces)
     ]
-    by_key: dict[str, list[_PieceState]] = defaultdict(list)
-    for rank_states in gather(local):
-        for entry in rank_states:
-            by_key[entry[0].state_key].append(entry)
-    state, param_groups, index = {}, [], 0
-    for group, keys in zip(optimizer.param_groups, group_keys):
-        indices = []
-        for key in keys:
-            if by_key.get(key):
-                state[index] = _assemble(by_key[key], shapes[key])
-            indices.append(index)
-            index += 1
-        param_groups.append({**{name: value for name, value in group.items() if name != "params"}, "params": indices})
-    return {"state": state, "param_groups": param_groups}
+    partial = partial_directory(path, token)
+    failure = None
+    try:
+        partial.mkdir(parents=True, exist_ok=True)
+        write_atomically(rank_payload(mine, my_optimizer_pieces), partial / rank_file_name(rank, world_size))
+        if rank == 0:
+            write_atomically(_common_part(checkpoint), partial / COMMON)
+    except Exception as error:  # noqa: BLE001 - every rank must learn of it before anyone commits
+        failure = f"{type(error).__name__}: {error}"
+    failures = [(index, message) for index, message in enumerate(gather(failure)) if message]
+    if failures:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(f"saving {path} failed on rank {failures[0][0]}: {failures[0][1]}; the earlier checkpoint is kept")
+    if rank == 0:
+        state = module.state_dict(keep_vars=True)
+        commit(partial, path, {
+            "world_size": world_size, **plan,
+            "state_keys": list(state), "shapes": {key: list(value.shape) for key, value in state.items()},
+            "dtypes": {key: str(value.dtype).removeprefix("torch.") for key, value in state.items()},
+            "tied": tied_key_groups(module), "param_group_keys": group_keys if with_optimizers else [],
+        })
+    gather(None)  # nobody goes on (e.g. to load or remove it) before the checkpoint is in place
 
 
-def _to_cpu(value: Any) -> Any:
-    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+def _first_holders(per_rank: list[list[_Entry]]) -> dict[_Entry, int]:
+    """The lowest rank holding each piece: the one that writes it."""
+    writers: dict[_Entry, int] = {}
+    for rank, entries in enumerate(per_rank):
+        for entry in entries:
+            writers.setdefault(entry, rank)
+    return writers
 
 
-def _assemble(entries: list[_PieceState], shape: torch.Size) -> dict[str, Any]:
-    """One parameter's state: elementwise tensors (shaped like their piece) put together, the rest
-    (e.g. AdamW's ``step``, equal on every piece) taken from the first piece."""
-    result = {}
-    for name, sample in entries[0][2].items():
-        if not (isinstance(sample, torch.Tensor) and sample.dim() and tuple(sample.shape) == entries[0][1]):
-            result[name] = sample
+def _state_the_plan_does_not_hold(module: nn.Module, held_keys: set[str]) -> list[tuple[PieceLocation, torch.Tensor]]:
+    """Whole values of every tensor of ``module`` that no rank holds a piece of (one key per tied group)."""
+    tied = {key: group for group in tied_key_groups(module) for key in group}
+    written: set[str] = set()
+    pieces = []
+    for key, value in module.state_dict(keep_vars=True).items():
+        group = tied.get(key, [key])
+        if held_keys.intersection(group) or written.intersection(group):
             continue
-        full = torch.zeros(shape, dtype=sample.dtype)
-        chunks: dict[tuple, dict[int, torch.Tensor]] = defaultdict(dict)
-        for location, _, values in entries:
-            region = tuple(slice(start, stop) for start, stop in location.box)
-            if location.chunk is None:
-                full[region] = values[name]
-            else:
-                chunks[location.box][location.chunk[0]] = values[name]
-        for box, by_index in chunks.items():  # ZeRO: the chunks of a box, in index order, make the box
-            region = tuple(slice(start, stop) for start, stop in box)
-            numel = math.prod(stop - start for start, stop in box)
-            flat = torch.cat([by_index[index] for index in sorted(by_index)])
-            full[region] = flat[:numel].reshape(full[region].shape)
-        result[name] = full
-    return result
+        written.add(key)
+        pieces.append((PieceLocation(key, full_box(value.shape)), value.detach()))
+    return pieces
+
+
+def _common_part(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Everything but the model state and the optimizer states' tensors (those are in the rank files)."""
+    common = {key: value for key, value in checkpoint.items() if key != "state_dict"}
+    if "optimizer_states" in common:
+        common["optimizer_states"] = [{"param_groups": state["param_groups"]} for state in common["optimizer_states"]]
+    return common

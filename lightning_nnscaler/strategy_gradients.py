@@ -8,8 +8,7 @@ belongs to and how many ranks hold the same box, so that
   moved onto the pieces, key by key, keeping every group's hyperparameters and its LR schedulers
   (and state restored from a checkpoint, cut to the pieces);
 - the gradients a ``forward_backward`` computes reach Lightning's ``backward`` (past its
-  ``zero_grad``) and accumulate over several batches, although the executor sums replicated
-  gradients over ranks after each one;
+  ``zero_grad``) and accumulate over the batches of an accumulation window;
 - the global gradient norm counts each box once, however many ranks hold a replica of it.
 """
 
@@ -49,23 +48,12 @@ class PieceOf:
 
 def piece_locations(executor: RankExecutor) -> dict[int, PieceOf]:
     """Where each piece the optimizer updates lies, by ``id(piece)``."""
-    boxes = {id(shard.tensor): PieceOf(shard.state_key, tuple(map(tuple, shard.box))) for shard in executor.shards.values()}
-    locations = {id(piece): boxes[id(piece)] for piece in executor.parameters() if id(piece) in boxes}
-    for owned in executor.reducer.owned:  # ZeRO: the optimizer updates chunks of replicated boxes
-        box = boxes[id(owned.box)]
-        locations[id(owned.chunk)] = PieceOf(box.state_key, box.box, (owned.ranks.index(executor.rank), owned.chunk.numel()))
-    return locations
+    return {id(piece.tensor): PieceOf(piece.state_key, tuple(map(tuple, piece.box)), piece.chunk) for piece in executor.pieces()}
 
 
 def replica_counts(executor: RankExecutor) -> dict[int, int]:
-    """How many ranks hold (and, after backward, share the summed gradient of) each replicated box."""
-    ranks_by_box = {(state_key, tuple(map(tuple, box))): len(ranks) for state_key, box, ranks in executor.module.GRADIENT_GROUPS}
-    counts = {}
-    for shard in executor.shards.values():
-        count = ranks_by_box.get((shard.state_key, tuple(map(tuple, shard.box))), 1)
-        if count > 1:
-            counts[id(shard.tensor)] = count
-    return counts
+    """How many ranks hold (and, after backward, share the summed gradient of) each replicated piece, by ``id(piece)``."""
+    return {id(piece.tensor): piece.replicas for piece in executor.pieces() if piece.replicas > 1}
 
 
 def gradient_holders(executor: RankExecutor) -> list[torch.Tensor]:
@@ -131,19 +119,23 @@ class GradientStash:
     ``backward`` (where Lightning expects them), past Lightning's ``zero_grad`` in between.
 
     Lightning's closure runs ``training_step``, then ``zero_grad`` (on the first batch of an
-    accumulation window), then ``backward``. The executor's step already ran backward and summed
-    replicated gradients over ranks, and a gradient already held would be summed again, so
-    ``run_step`` runs it with every ``.grad`` taken out, keeps the new gradients aside and puts the
-    earlier ones back (for ``zero_grad`` to clear or keep); ``apply`` then adds the kept gradients,
-    scaled by ``1 / accumulate_grad_batches`` as Lightning divides the loss before its backward.
+    accumulation window), then ``backward``. The executor's step already ran backward, so on the
+    first batch of a window ``run_step`` runs it with every ``.grad`` taken out, keeps the new
+    gradients aside and puts the earlier ones back (for ``zero_grad`` to clear or keep); ``apply``
+    then adds the kept gradients to what ``zero_grad`` left. On the other batches of a window no
+    ``zero_grad`` comes, so the step accumulates into ``.grad`` directly and ``apply`` has nothing
+    to do. Moving gradients never copies them; adding to a kept gradient makes a new tensor (the
+    kept one may be a reducer's bucket, which a later step reuses).
     """
 
     def __init__(self, holders: Iterable[torch.Tensor]) -> None:
         self.holders = list(holders)
         self.pending: dict[int, torch.Tensor] = {}
 
-    def run_step(self, step: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Run ``step`` with no gradient held, keep what it computes for ``apply``; returns its result."""
+    def run_step(self, step: Callable[[], torch.Tensor], *, zero_grad_follows: bool) -> torch.Tensor:
+        """Run ``step``; if Lightning's ``zero_grad`` follows it, with no gradient held, keeping what it computes for ``apply``."""
+        if not zero_grad_follows:
+            return step()
         earlier = {id(holder): holder.grad for holder in self.holders}
         for holder in self.holders:
             holder.grad = None
@@ -153,15 +145,12 @@ class GradientStash:
             holder.grad = earlier[id(holder)]
         return result
 
-    def apply(self, scale: float) -> None:
-        """Add the kept gradients, times ``scale``, to what the holders hold now."""
+    def apply(self) -> None:
+        """Add the kept gradients to what the holders hold now."""
         for holder in self.holders:
             new = self.pending.get(id(holder))
-            if new is None:
-                continue
-            if scale != 1.0:
-                new.mul_(scale)
-            holder.grad = new if holder.grad is None else holder.grad.add_(new)
+            if new is not None:
+                holder.grad = new if holder.grad is None else holder.grad + new
         self.pending = {}
 
 

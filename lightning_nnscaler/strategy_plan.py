@@ -1,4 +1,5 @@
-"""Planning for ``NnScalerStrategy``: what it checks at construction and setup, the plan from the
+"""Planning for ``NnScalerStrategy``: what it checks at construction and setup (the recipe and its
+parameters; at setup, that they fit the devices and the model's attention heads), the plan from the
 first batch, and each batch's inputs for the plan."""
 
 from __future__ import annotations
@@ -7,12 +8,12 @@ from typing import Any, Callable
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_nnscaler.capture import flatten_inputs
 from lightning_nnscaler.parallelize import Plan, parallelize
-from lightning_nnscaler.plans.catalog import RecipeError, load_recipe
+from lightning_nnscaler.ir.graph import Graph
+from lightning_nnscaler.plans.catalog import RecipeError, apply_recipe, load_recipe
 
 
 def check_recipe(recipe: str, params: dict[str, Any]) -> None:
@@ -71,11 +72,11 @@ def plan_training_step(
     return plan
 
 
-def check_supported(module: LightningModule, precision_plugin: Precision, precision: str) -> None:
+def check_supported(module: LightningModule, recipe: str, params: dict[str, Any], world_size: int) -> None:
     """Raise for what the strategy cannot run (at setup, before any training).
 
     Raises:
-        MisconfigurationException: manual optimization, or a precision that needs a loss scaler.
+        MisconfigurationException: manual optimization, or a recipe whose parameters do not fit ``world_size`` or the model's attention heads (`check_fits`).
     """
     if not module.automatic_optimization:
         raise MisconfigurationException(
@@ -83,11 +84,65 @@ def check_supported(module: LightningModule, precision_plugin: Precision, precis
             "training_step (forward and backward) itself, so manual optimization is not supported: remove "
             "`self.automatic_optimization = False` and return the loss from training_step."
         )
-    if getattr(precision_plugin, "scaler", None) is not None:
+    check_fits(module, recipe, params, world_size)
+
+
+def check_fits(module: torch.nn.Module, recipe: str, params: dict[str, Any], world_size: int) -> None:
+    """Raise unless the recipe's parameters fit ``world_size`` devices and its tensor-parallel pieces
+    divide every attention layer's heads (the catalog's constraints that need no batch).
+
+    The recipe checks its own parameters: it runs on an empty graph (no op to place) for ``world_size``.
+
+    Raises:
+        MisconfigurationException: naming the parameter, the device count and the fix.
+    """
+    spec = load_recipe(recipe)
+    call = f"NnScalerStrategy({', '.join([f'recipe={recipe!r}', *(f'{key}={value!r}' for key, value in params.items())])})"
+    try:
+        apply_recipe(Graph(), recipe, world_size, **params)
+    except ValueError as error:
+        keys = ", ".join(spec.parameters) or "the recipe"
         raise MisconfigurationException(
-            f"precision={precision!r} needs a loss scaler, which the generated step does not apply yet; "
-            "use precision='bf16-mixed' or '32-true' with NnScalerStrategy."
-        )
+            f"{call} does not fit the Trainer's {world_size} devices (devices × num_nodes = {world_size}): {error}. "
+            f"Pass {keys} to fit {world_size} devices, or change the Trainer's devices / num_nodes. "
+            f"Recipe {recipe!r} needs: {'; '.join(spec.constraints)}."
+        ) from error
+    pieces = head_pieces(recipe, {**{key: p.default for key, p in spec.parameters.items()}, **params}, world_size)
+    if pieces is None:
+        return
+    count, reason = pieces
+    for name, heads in attention_heads(module):
+        if heads % count:
+            raise MisconfigurationException(
+                f"{call} cuts attention heads into {count} pieces ({reason}), but {type(module).__name__}.{name} has "
+                f"{heads} heads, which {count} does not divide. Pick the recipe's parameters or the Trainer's devices so "
+                f"that the pieces divide {heads} (recipe {recipe!r} needs: {'; '.join(spec.constraints)}), or use recipe='dp'."
+            )
+
+
+def head_pieces(recipe: str, params: dict[str, Any], world_size: int) -> tuple[int, str] | None:
+    """Into how many pieces ``recipe`` cuts attention heads, and which setting decides it; None: it keeps them whole."""
+    if recipe == "tp":
+        degree = params["degree"]
+        return (degree, f"degree={degree}") if degree else (world_size, f"degree=None: all {world_size} devices")
+    if recipe == "hybrid":
+        return params["tp"], f"tp={params['tp']}"
+    if recipe == "coshard":
+        return params["shards"] * world_size, f"shards={params['shards']} × {world_size} devices"
+    if recipe == "sp":
+        return world_size, f"all {world_size} devices"
+    return None
+
+
+def attention_heads(module: torch.nn.Module) -> list[tuple[str, int]]:
+    """``(name, heads)`` of every submodule with an int ``heads`` or ``num_heads`` (``nn.MultiheadAttention``,
+    the reference models' attention, most Hugging Face attention layers)."""
+    found = []
+    for name, submodule in module.named_modules():
+        heads = getattr(submodule, "heads", getattr(submodule, "num_heads", None))
+        if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0:
+            found.append((name, heads))
+    return found
 
 
 def graph_inputs(plan: Plan, batch: Any) -> dict[str, torch.Tensor]:

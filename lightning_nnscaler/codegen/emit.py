@@ -16,7 +16,7 @@ import torch
 
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.printer import format_argument
-from lightning_nnscaler.materialize.program import Assemble, Collective, Compute, Program, RankProgram, Recv, Send
+from lightning_nnscaler.materialize.program import Assemble, Collective, Compute, Program, RankProgram, Recv, Send, reads, writes
 
 HEADER = '''"""Rank {rank} of {world_size}: plan {plan_hash} ({label}).
 
@@ -183,7 +183,7 @@ def _recompute_groups(program: RankProgram) -> dict[int, list[int]]:
             action = program.actions[index]
             if index in members or not isinstance(action, (Compute, Send, Assemble, Collective)):
                 continue
-            if outputs & set(_reads(action)):
+            if outputs & set(reads(action)):
                 raise CodegenError(f"recompute group {group} on rank {program.rank} is not contiguous: {_describe(action)} reads its output before the group ends")
     return groups
 
@@ -193,7 +193,7 @@ def _grouped_assembles(program: RankProgram) -> set[int]:
     readers: dict[str, set[int | None]] = {}
     for action in program.actions:
         group = action.op.recompute if isinstance(action, Compute) else None
-        for var in _reads(action):
+        for var in reads(action):
             readers.setdefault(var, set()).add(group)
     return {
         index for index, action in enumerate(program.actions)
@@ -204,10 +204,10 @@ def _grouped_assembles(program: RankProgram) -> set[int]:
 def _recompute_block(program: RankProgram, members: list[int], group: int) -> list[str]:
     inner = [index for index in _grouped_assembles(program) if _group_of_reader(program, program.actions[index].var) == group] + members
     inner.sort()
-    defined = {var for index in inner for var in _writes(program.actions[index])}
-    reads = [var for index in inner for var in _reads(program.actions[index]) if var not in defined]
-    arguments = list(dict.fromkeys(reads))
-    later_reads = {var for index, action in enumerate(program.actions) if index not in inner for var in _reads(action)}
+    defined = {var for index in inner for var in writes(program.actions[index])}
+    outside_reads = [var for index in inner for var in reads(program.actions[index]) if var not in defined]
+    arguments = list(dict.fromkeys(outside_reads))
+    later_reads = {var for index, action in enumerate(program.actions) if index not in inner for var in reads(action)}
     results = [var for index in members for var in program.actions[index].output_vars if var in later_reads or var in {o.var for o in program.outputs}]
     function = f"recompute_{group}"
     lines = [f"def {function}({', '.join(arguments)}):  # activations recomputed in backward"]
@@ -223,26 +223,6 @@ def _group_of_reader(program: RankProgram, var: str) -> int | None:
         if isinstance(action, Compute) and var in action.input_vars:
             return action.op.recompute
     return None
-
-
-def _reads(action: Any) -> list[str]:
-    if isinstance(action, Compute):
-        return list(action.input_vars)
-    if isinstance(action, Send):
-        return [action.source_var]
-    if isinstance(action, Assemble):
-        return [fragment.var for fragment in action.fragments]
-    if isinstance(action, Collective):
-        return [action.source_var]
-    return []
-
-
-def _writes(action: Any) -> list[str]:
-    if isinstance(action, Compute):
-        return list(action.output_vars)
-    if isinstance(action, (Assemble, Recv, Collective)):
-        return [action.var]
-    return []
 
 
 def _describe(action: Any) -> str:

@@ -18,6 +18,7 @@ from lightning_nnscaler.ir.tensor import IndexMask, ValueMask, VTensor, covers_e
 from lightning_nnscaler.ir.validate import validate_plan
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.materialize.collectives import collective_path, group_of
+from lightning_nnscaler.materialize.early_sends import issue_sends_early
 from lightning_nnscaler.materialize.program import (
     Assemble, Collective, Compute, Fragment, GradientGroup, LocalTensor, Program, RankOutput, RankProgram, Recv, Send, box_of,
 )
@@ -88,8 +89,10 @@ class _Builder:
                 self.written[output.name].append((output, rank, var, position))
                 self.cache[rank].setdefault((output.name, output.index, output.value), var)
         self.collect_outputs()
+        ordered_ops = {name for edge in self.graph.order_edges for name in edge}
         for program in self.programs:
             program.actions.sort(key=_action_order)
+            issue_sends_early(program, ordered_ops)
         return Program(len(self.programs), self.programs, self.gradient_groups())
 
     # --- graph inputs -------------------------------------------------------------------------

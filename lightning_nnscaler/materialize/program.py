@@ -87,6 +87,26 @@ class Collective:
 Action = Compute | Send | Recv | Assemble | Collective
 
 
+def reads(action: Action) -> list[str]:
+    """The variables ``action`` reads."""
+    if isinstance(action, Compute):
+        return list(action.input_vars)
+    if isinstance(action, (Send, Collective)):
+        return [action.source_var]
+    if isinstance(action, Assemble):
+        return [fragment.var for fragment in action.fragments]
+    return []
+
+
+def writes(action: Action) -> list[str]:
+    """The variables ``action`` defines."""
+    if isinstance(action, Compute):
+        return list(action.output_vars)
+    if isinstance(action, (Assemble, Recv, Collective)):
+        return [action.var]
+    return []
+
+
 @dataclass(frozen=True)
 class LocalTensor:
     """A graph input piece this rank holds: ``var`` is tensor ``name`` restricted to ``box``."""

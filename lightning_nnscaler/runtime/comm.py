@@ -15,7 +15,10 @@ Conventions shared by every implementation:
 - Point-to-point messages carry a tag that sender and receiver must agree on (gloo matches tags),
   *and* between two ranks they are received in the order they were sent (NCCL ignores tags and
   matches by order). The in-memory world enforces both.
-- ``all_reduce_async`` starts a sum and returns at once; ``handle.wait()`` returns it. Async sums run
+- ``all_reduce_async`` starts a sum and returns at once; ``handle.wait()`` returns it. With
+  ``in_place=True`` it is the one exception to "never modify the input": the sum is written into
+  the (contiguous) tensor itself, which the caller leaves alone until ``wait`` (gradient buckets
+  are summed without a copy). Async sums run
   on a channel of their own (separate process groups; a separate sequence in memory), so they never
   pair with a blocking collective, and a rank blocked in a blocking collective cannot deadlock with
   one that started async sums. Every rank of ``ranks`` must start its async sums over ``ranks`` in
@@ -59,7 +62,7 @@ class Communicator(Protocol):
     def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
         """Sum over ``ranks``."""
 
-    def all_reduce_async(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> "AsyncHandle":
+    def all_reduce_async(self, tensor: torch.Tensor, ranks: tuple[int, ...], *, in_place: bool = False) -> "AsyncHandle":
         """Start a sum over ``ranks`` without blocking; ``handle.wait()`` returns it (see the module docstring)."""
 
     def all_gather(self, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
@@ -99,6 +102,13 @@ def check_ranks(ranks: tuple[int, ...], rank: int, world_size: int) -> tuple[int
             f"ranks {ranks} must be a sorted tuple of distinct ranks in [0, {world_size}) that contains rank {rank}"
         )
     return ranks
+
+
+def check_in_place(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (detached) if an in-place collective can write into it; raise ValueError if it is not contiguous."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"an in-place all_reduce_async needs a contiguous tensor, got strides {tensor.stride()}")
+    return tensor.detach()
 
 
 def check_peer(peer: int, rank: int, world_size: int) -> None:
@@ -180,9 +190,9 @@ class TorchDistributedCommunicator:
             self._wait(dist.all_reduce(result, group=group, async_op=True), f"all_reduce over ranks {ranks}")
         return result
 
-    def all_reduce_async(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> "_TorchHandle":
+    def all_reduce_async(self, tensor: torch.Tensor, ranks: tuple[int, ...], *, in_place: bool = False) -> "_TorchHandle":
         ranks = check_ranks(ranks, self.rank, self.world_size)
-        result = tensor.detach().clone(memory_format=torch.contiguous_format)
+        result = check_in_place(tensor) if in_place else tensor.detach().clone(memory_format=torch.contiguous_format)
         description = f"all_reduce_async over ranks {ranks}"
         if len(ranks) == 1:
             return _TorchHandle(self, None, result, description)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from lightning_nnscaler.runtime import autograd_comm as comm
+from lightning_nnscaler.runtime.comm import AsyncHandle
 from lightning_nnscaler.materialize.program import Box
 from lightning_nnscaler.runtime.reducer import GradientReducer
 
@@ -24,6 +25,21 @@ class Shard:
     state_key: str
     box: Box
     tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A tensor this rank's optimizer updates, and where it lies in its full parameter."""
+
+    tensor: torch.nn.Parameter
+    state_key: str
+    box: Box
+    """The box of the parameter this piece is (or, under ZeRO, was cut from)."""
+    chunk: tuple[int, int] | None
+    """ZeRO only: ``(index, size)``: elements ``[index * size, (index + 1) * size)`` of the box
+    flattened and zero-padded (``runtime.reducer``'s layout)."""
+    replicas: int
+    """How many ranks hold this same piece (and, after backward, the same summed gradient)."""
 
 
 def _region(box: Box) -> tuple[slice, ...]:
@@ -86,6 +102,22 @@ class RankExecutor:
         boxes = [shard.tensor for shard in self.shards.values() if isinstance(shard.tensor, torch.nn.Parameter)]
         return self.reducer.optimizer_parameters(boxes)
 
+    def pieces(self) -> list[Piece]:
+        """What this rank's optimizer updates (``parameters()``), each with its place in the full model."""
+        replicas = {(key, tuple(map(tuple, box))): len(ranks) for key, box, ranks in self.module.GRADIENT_GROUPS}
+        by_tensor = {id(shard.tensor): shard for shard in self.shards.values()}
+        chunks = {id(owned.chunk): owned for owned in self.reducer.owned}
+        pieces = []
+        for tensor in self.parameters():
+            if id(tensor) in chunks:
+                owned = chunks[id(tensor)]
+                shard = by_tensor[id(owned.box)]
+                pieces.append(Piece(tensor, shard.state_key, shard.box, (owned.ranks.index(self.rank), tensor.numel()), 1))
+            else:
+                shard = by_tensor[id(tensor)]
+                pieces.append(Piece(tensor, shard.state_key, shard.box, None, replicas.get((shard.state_key, tuple(map(tuple, shard.box))), 1)))
+        return pieces
+
     def after_optimizer_step(self) -> None:
         """Call after ``optimizer.step()``: ZeRO gathers or releases the updated boxes."""
         self.reducer.after_optimizer_step()
@@ -109,12 +141,21 @@ class RankExecutor:
             self.reducer.release_boxes()
         return shards
 
-    def forward_backward(self, inputs: dict[str, torch.Tensor], *, backward: bool = True) -> torch.Tensor:
+    def forward_backward(
+        self, inputs: dict[str, torch.Tensor], *, backward: bool = True, loss_scale: float = 1.0, reduce_gradients: bool = True
+    ) -> torch.Tensor:
         """One step's forward and backward on this rank; returns the whole loss (same on every rank).
+
+        Gradients accumulate into the pieces' ``.grad`` as in torch. The whole loss is summed over
+        the ranks while backward runs (an asynchronous sum, waited for at the end).
 
         Args:
             inputs: The full batch by graph input name; each rank slices the box it needs.
             backward: False to run forward only (evaluation).
+            loss_scale: The gradients are those of ``loss * loss_scale`` (Lightning divides the loss
+                by ``accumulate_grad_batches``).
+            reduce_gradients: False keeps the replicated gradients local (DDP's ``no_sync``, for all
+                but the last batch of an accumulation window); the next reducing step sums them.
         """
         if backward:
             self.reducer.before_forward()
@@ -125,19 +166,23 @@ class RankExecutor:
         with torch.set_grad_enabled(backward):
             outputs, token = self.module.forward(held, self.communicator, token)
         seeds = [outputs[name] for name, _, seed in self.module.OUTPUTS if seed]
+        whole_loss = self._start_loss_sum(seeds)
         if backward:
+            self.reducer.before_backward(reduce_gradients)
+            seeds = [seed for seed in seeds if seed.requires_grad]
+            scales = None if loss_scale == 1.0 else [torch.full_like(seed, loss_scale) for seed in seeds]
             # The token's chain reaches every send whose backward receives a gradient from a peer.
-            comm.backward(token, [seed for seed in seeds if seed.requires_grad])
+            comm.backward(token, seeds, scales)
         self.communicator.wait_sends()
         if backward:
             self.reducer.after_backward()
-        return self.whole_loss(seeds)
+        return whole_loss.wait()
 
-    def whole_loss(self, seeds: list[torch.Tensor]) -> torch.Tensor:
-        """The scalar loss: the sum of every rank's seeded (value-part or whole) loss pieces."""
+    def _start_loss_sum(self, seeds: list[torch.Tensor]) -> AsyncHandle:
+        """Start summing every rank's seeded (value-part or whole) scalar loss pieces; ``.wait()`` gives the loss."""
         local = sum((seed.detach().reshape(()) for seed in seeds if seed.numel() == 1), torch.zeros((), device=self.device))
-        world = tuple(range(self.communicator.world_size))
-        return self.communicator.all_reduce(local, world) if len(world) > 1 else local
+        # Started before any gradient bucket, on every rank: the async sums pair up (see runtime.comm).
+        return self.communicator.all_reduce_async(local, tuple(range(self.communicator.world_size)))
 
 
 def merge_shards(per_rank: list[dict[str, Shard]], shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:

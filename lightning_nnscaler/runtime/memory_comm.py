@@ -34,6 +34,7 @@ from lightning_nnscaler.runtime.comm import (
     CommunicationError,
     check_broadcast_source,
     check_divisible,
+    check_in_place,
     check_peer,
     check_ranks,
 )
@@ -197,15 +198,17 @@ class InMemoryCommunicator:
     def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
         return _sum_in_order(self._exchange(ranks, "all_reduce", tensor))
 
-    def all_reduce_async(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> "_InMemoryHandle":
-        """Deposit now (never blocks); the handle's ``wait()`` waits for the other ranks and sums in ranks order."""
+    def all_reduce_async(self, tensor: torch.Tensor, ranks: tuple[int, ...], *, in_place: bool = False) -> "_InMemoryHandle":
+        """Deposit now (never blocks); the handle's ``wait()`` waits for the other ranks and sums in ranks order
+        (into ``tensor`` itself when ``in_place``)."""
         ranks = check_ranks(ranks, self.rank, self.world_size)
+        target = check_in_place(tensor) if in_place else None
         sequence = self._async_sequence[ranks]
         self._async_sequence[ranks] += 1
         deposit = tensor.detach().clone(memory_format=torch.contiguous_format)
         signature = f"all_reduce_async({tuple(deposit.shape)}, {deposit.dtype})"
         self.world.deposit(self.rank, ranks, sequence, signature, deposit, _ASYNC_CHANNEL)
-        return _InMemoryHandle(self.world, self.rank, ranks, sequence, signature)
+        return _InMemoryHandle(self.world, self.rank, ranks, sequence, signature, target)
 
     def all_gather(self, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
         return torch.cat(self._exchange(ranks, f"all_gather(dim={dim})", tensor), dim)
@@ -255,14 +258,18 @@ _ASYNC_CHANNEL = "async"
 class _InMemoryHandle:
     """An ``all_reduce_async`` whose deposit is in the world; ``wait`` collects and sums (once)."""
 
-    def __init__(self, world: InMemoryWorld, rank: int, ranks: tuple[int, ...], sequence: int, signature: str) -> None:
+    def __init__(
+        self, world: InMemoryWorld, rank: int, ranks: tuple[int, ...], sequence: int, signature: str, target: torch.Tensor | None
+    ) -> None:
         self._world, self._rank, self._ranks, self._sequence, self._signature = world, rank, ranks, sequence, signature
+        self._target = target  # in place: the caller's tensor receives the sum
         self._result: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
             deposits = self._world.collect(self._rank, self._ranks, self._sequence, self._signature, _ASYNC_CHANNEL)
-            self._result = _sum_in_order(deposits)
+            summed = _sum_in_order(deposits)
+            self._result = summed if self._target is None else self._target.copy_(summed)
         return self._result
 
 

@@ -1,4 +1,5 @@
-"""NnScalerStrategy in one process: registered names, and bad input refused before training starts.
+"""NnScalerStrategy: registered names, and bad input refused before training starts (in one process,
+and at 2 ranks for recipes that do not fit the devices or the model's heads).
 
 The one-device runs join a 1-rank gloo group in the pytest process; the fixture leaves it and
 restores the environment variables Lightning's launcher set.
@@ -7,6 +8,7 @@ restores the environment variables Lightning's launcher set.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import pytest
@@ -16,11 +18,13 @@ import torch.distributed as dist
 import lightning_nnscaler as lnn
 from lightning_nnscaler import NnScalerStrategy
 from lightning_nnscaler.plans.catalog import RecipeError
+from lightning_nnscaler.runtime.launch import launch
 
 import lightning as L  # noqa: E402 - after lightning_nnscaler
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 
+from feature_runs import setup_error_worker  # noqa: E402
 from lightning_runs import GLOBAL_BATCH, ScheduledGPT, TokenDataset, fit_gpt, single_device_run  # noqa: E402
 
 
@@ -127,3 +131,28 @@ def test_logged_values_other_than_the_loss_are_reported(one_rank_group: None) ->
     with pytest.warns(UserWarning, match=r"logs 'train_accuracy', which NnScalerStrategy does not compute"):
         trainer = _fit_one_device(LogsAccuracy(_config()))
     assert "train_accuracy" not in trainer.callback_metrics
+
+
+@pytest.mark.timeout(240)
+def test_recipes_that_do_not_fit_the_devices_or_the_heads_raise_at_setup() -> None:
+    cases = [
+        ({"recipe": "tp", "degree": 4}, {}),  # more devices than the Trainer has
+        ({"recipe": "hybrid", "dp": 1, "tp": 1}, {}),  # a grid smaller than the devices
+        ({"recipe": "tp"}, {"heads": 1}),  # 2 pieces of 1 head
+        ({"recipe": "coshard"}, {}),  # the default 4 shards x 2 devices = 8 pieces of 4 heads
+    ]
+    outcomes = launch(setup_error_worker, 2, cases, timeout=220)
+    expected = [
+        r"NnScalerStrategy\(recipe='tp', degree=4\) does not fit the Trainer's 2 devices.*degree \(4\) must be a positive "
+        r"divisor of world_size \(2\).*Pass degree to fit 2 devices, or change the Trainer's devices / num_nodes",
+        r"NnScalerStrategy\(recipe='hybrid', dp=1, tp=1\) does not fit the Trainer's 2 devices.*dp \(1\) × tp \(1\) = 1 must "
+        r"equal world_size \(2\).*Pass dp, tp to fit 2 devices",
+        r"NnScalerStrategy\(recipe='tp'\) cuts attention heads into 2 pieces \(degree=None: all 2 devices\), but "
+        r"ScheduledGPT.blocks.0.attn has 1 heads, which 2 does not divide",
+        r"NnScalerStrategy\(recipe='coshard'\) cuts attention heads into 8 pieces \(shards=4 × 2 devices\), but "
+        r"ScheduledGPT.blocks.0.attn has 4 heads",
+    ]
+    for rank_outcomes in outcomes:
+        for outcome, message in zip(rank_outcomes, expected):
+            assert outcome["message"] is not None and re.search(message, outcome["message"], re.DOTALL), outcome["message"]
+            assert outcome["global_step"] == 0 and not outcome["planned"]  # raised at setup: nothing planned or trained

@@ -66,6 +66,10 @@ def collectives_scenario(comm) -> dict:
         "ring": comm.recv(SHAPE, torch.float64, (rank - 1) % n, tag=0),
         "integers": comm.all_gather(torch.arange(3) * rank, 0, everyone),
     }
+    buffer = x.clone()
+    summed = comm.all_reduce_async(buffer, everyone, in_place=True).wait()
+    results["all_reduce_in_place"] = buffer
+    results["in_place_returns_its_buffer"] = torch.tensor(summed.data_ptr() == buffer.data_ptr())
     comm.wait_sends()
     comm.barrier()
     return results
@@ -104,7 +108,6 @@ def dp_autograd_scenario(comm) -> dict:
     The weights over the world and over pairs share their tuples with the chain's collectives; even
     and odd ranks apply two weights in opposite orders, so their gradient hooks fire in different orders.
     """
-    from lightning_nnscaler.runtime import reducer as reducer_module
     from lightning_nnscaler.runtime.reducer import GradientReducer
 
     everyone, rank, n = tuple(range(comm.world_size)), comm.rank, comm.world_size
@@ -112,11 +115,8 @@ def dp_autograd_scenario(comm) -> dict:
     generator = torch.Generator().manual_seed(7)
     names = ["unused", "wa", "wb", "pair"]  # "unused" (no gradient) is the last bucket
     weights = {name: torch.nn.Parameter(torch.randn(SHAPE[1], SHAPE[1], dtype=torch.float64, generator=generator)) for name in names}
-    saved, reducer_module.BUCKET_BYTES = reducer_module.BUCKET_BYTES, 1  # a bucket per weight
-    try:
-        reducer = GradientReducer([(weights[name], pair_of(rank) if name == "pair" else everyone) for name in names], comm, rank)
-    finally:
-        reducer_module.BUCKET_BYTES = saved
+    replicated = [(weights[name], pair_of(rank) if name == "pair" else everyone) for name in names]
+    reducer = GradientReducer(replicated, comm, rank, bucket_bytes=1)  # a bucket per weight
     first, second = ("wa", "wb") if rank % 2 == 0 else ("wb", "wa")
     x = rank_input(rank).requires_grad_(True)
     token = ac.new_token()
@@ -154,6 +154,28 @@ def gpt_dp_scenario(comm) -> dict:
     gradients = {key: grad for key, _, grad in executor.gradients().values()}
     during = [during for _, _, during in executor.reducer.started_buckets]
     return {"loss": loss, "gradients": gradients, "buckets": len(during), "started_during_backward": sum(during)}
+
+
+def gpt_dp_accumulate_scenario(comm) -> dict:
+    """Two half-weighted dp steps accumulated as DDP's no_sync does: the first keeps its gradients
+    local, the second sums both; this rank's summed gradients by state key and the two losses."""
+    import lightning_nnscaler as lnn
+    from lightning_nnscaler.codegen import module_from_source
+    from lightning_nnscaler.models.gpt import GPT, GPTConfig
+    from lightning_nnscaler.runtime.executor import RankExecutor
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.small())
+    batches = [model.example_batch(4, torch.Generator().manual_seed(seed)) for seed in (0, 1)]
+    plan = lnn.parallelize(model, batches[0], "dp", comm.world_size, step="training_step")
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    executor = RankExecutor(module_from_source(plan.sources[comm.rank], f"rank{comm.rank}"), comm.rank, state, plan.graph.constant_values, comm)
+    losses = []
+    for index, batch in enumerate(batches):
+        inputs = {tensor.name: value for tensor, value in zip(plan.graph.user_inputs, lnn.flatten_inputs(batch, step="training_step"))}
+        losses.append(executor.forward_backward(inputs, loss_scale=0.5, reduce_gradients=index == 1))
+    gradients = {key: grad for key, _, grad in executor.gradients().values()}
+    return {"losses": torch.stack(losses), "gradients": gradients, "buckets_started": len(executor.reducer.started_buckets)}
 
 
 def group_errors_scenario(comm) -> dict:
@@ -205,6 +227,7 @@ SCENARIOS = {
     "autograd": (autograd_scenario, COMMUNICATION_TIMEOUT),
     "dp_autograd": (dp_autograd_scenario, COMMUNICATION_TIMEOUT),
     "gpt_dp": (gpt_dp_scenario, 30.0),
+    "gpt_dp_accumulate": (gpt_dp_accumulate_scenario, 30.0),
     "group_errors": (group_errors_scenario, COMMUNICATION_TIMEOUT),
     "killed_peer": (killed_peer_scenario, 3.0),
     "silent_peer": (silent_peer_scenario, 1.0),
@@ -322,6 +345,31 @@ def test_dp_gpt_gradients_on_two_gloo_ranks_equal_single_device(tmp_path):
         for key, grad in expected.items():
             torch.testing.assert_close(result["gradients"][key], grad, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k} on rank {rank}: {m}")
         assert result["buckets"] >= 1 and result["started_during_backward"] >= 1
+    for key in expected:
+        assert torch.equal(outcomes[0].result["gradients"][key], outcomes[1].result["gradients"][key]), key
+
+
+@pytest.mark.timeout(120)
+def test_dp_gpt_accumulation_sums_once_and_equals_single_device(tmp_path):
+    from lightning_nnscaler.models.gpt import GPT, GPTConfig
+
+    outcomes, _ = launch(2, "gpt_dp_accumulate", tmp_path, deadline_s=100.0)
+    assert_succeeded(outcomes)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.small())
+    model.log = lambda *args, **kwargs: None
+    losses = []
+    for seed in (0, 1):
+        loss = model.training_step(model.example_batch(4, torch.Generator().manual_seed(seed)), 0)
+        (loss * 0.5).backward()
+        losses.append(loss.detach())
+    expected = {key: parameter.grad for key, parameter in model.named_parameters()}
+    for rank, outcome in enumerate(outcomes):
+        result = outcome.result
+        torch.testing.assert_close(result["losses"], torch.stack(losses), rtol=1e-5, atol=1e-6)
+        assert result["buckets_started"] == 1, "the local step must not start a bucket; the summing step starts the one bucket"
+        for key, grad in expected.items():
+            torch.testing.assert_close(result["gradients"][key], grad, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k} on rank {rank}: {m}")
     for key in expected:
         assert torch.equal(outcomes[0].result["gradients"][key], outcomes[1].result["gradients"][key]), key
 

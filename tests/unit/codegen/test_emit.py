@@ -60,3 +60,21 @@ def test_saved_code_is_reused_and_edits_are_refused(tmp_path: Path) -> None:
         load_rank_module(root, 1)
     with pytest.raises(StaleCodeError, match="rank1.py was edited"):
         save_sources(tmp_path, "h" * 64, sources)
+
+
+def test_data_parallel_ranks_send_the_target_count_first_and_receive_it_last():
+    """The cross-entropy's kept-target count depends on the batch alone: computed and sent before the
+    forward pass, it waits for the peer (issued early) instead of making every rank wait mid-step."""
+    from lightning_nnscaler.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.small())
+    plan = lnn.parallelize(model, model.example_batch(4, torch.Generator().manual_seed(0)), "dp", 2, step="training_step")
+    for rank, source in enumerate(plan.sources):
+        body = source[source.index("def forward("):].splitlines()
+        send = next(index for index, line in enumerate(body) if "comm.send(" in line)
+        recv = next(index for index, line in enumerate(body) if "comm.recv(" in line)
+        first_linear = next(index for index, line in enumerate(body) if "aten.linear" in line)
+        loss_sum = next(index for index, line in enumerate(body) if line.lstrip().startswith("cross_entropy_loss_sum ="))
+        assert "cross_entropy_loss_count" in body[send] and send < first_linear, f"rank {rank}"
+        assert recv > loss_sum, f"rank {rank}: the receive stays where the count is needed"

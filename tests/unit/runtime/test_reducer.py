@@ -192,3 +192,78 @@ def test_a_gradient_after_its_bucket_started_raises():
     for message, grad in run_ranks(2, program, timeout=5):
         assert "after its bucket's all-reduce started" in message
         assert torch.equal(grad, torch.full((2,), 4.0))  # the sum of what each rank had when the bucket started
+
+
+def two_layer_step(comm, reducer: GradientReducer, layers: list[torch.nn.Parameter], seed: int, *, reduce: bool = True) -> None:
+    """One backward of a rank-dependent loss through ``layers``, with the reducer's calls around it."""
+    x = torch.randn(4, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * seed + comm.rank))
+    reducer.before_backward(reduce)
+    (x @ layers[0]).tanh().matmul(layers[1]).square().sum().backward()
+    reducer.after_backward()
+
+
+def reference_sum(comm, layers: list[torch.nn.Parameter], seeds: list[int]) -> list[torch.Tensor]:
+    """Each rank's local gradients of every step, accumulated, then all-reduced synchronously."""
+    copies = [torch.nn.Parameter(layer.detach().clone()) for layer in layers]
+    for seed in seeds:
+        x = torch.randn(4, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * seed + comm.rank))
+        (x @ copies[0]).tanh().matmul(copies[1]).square().sum().backward()
+    synchronous_sum([(copy, tuple(range(comm.world_size))) for copy in copies], comm)
+    return [copy.grad for copy in copies]
+
+
+def layers_and_reducer(comm, bucket_bytes: int | None = None) -> tuple[list[torch.nn.Parameter], GradientReducer]:
+    generator = torch.Generator().manual_seed(9)
+    layers = [torch.nn.Parameter(torch.randn(DIM, DIM, dtype=torch.float64, generator=generator)) for _ in range(2)]
+    everyone = tuple(range(comm.world_size))
+    return layers, GradientReducer([(layer, everyone) for layer in layers], comm, comm.rank, bucket_bytes=bucket_bytes)
+
+
+def test_summed_gradients_are_bucket_views_and_the_previous_steps_stay_intact():
+    def program(comm):
+        layers, reducer = layers_and_reducer(comm)
+        two_layer_step(comm, reducer, layers, seed=1)
+        first = [layer.grad for layer in layers]
+        first_values = [grad.clone() for grad in first]
+        for layer in layers:
+            layer.grad = None  # what Lightning's zero_grad does (after the next step, under NnScalerStrategy)
+        two_layer_step(comm, reducer, layers, seed=2)
+        (bucket,) = reducer._queues[tuple(range(comm.world_size))].buckets
+        return {
+            "views": [any(grad.data_ptr() == views[id(layer)].data_ptr() for views in bucket.views) for grad, layer in zip(first, layers)],
+            "second_in_other_buffer": layers[0].grad.data_ptr() != first[0].data_ptr(),
+            "first_intact": all(torch.equal(grad, value) for grad, value in zip(first, first_values)),
+            "first": first_values,
+            "second": [layer.grad for layer in layers],
+            "expected": [reference_sum(comm, layers, [1]), reference_sum(comm, layers, [2])],
+        }
+
+    for result in run_ranks(2, program, timeout=10):
+        assert all(result["views"]) and result["second_in_other_buffer"] and result["first_intact"]
+        for actual, expected in zip([result["first"], result["second"]], result["expected"]):
+            assert all(torch.equal(a, e) for a, e in zip(actual, expected))
+
+
+def test_a_local_backward_then_a_summing_one_sum_the_accumulated_gradients_once():
+    def program(comm):
+        layers, reducer = layers_and_reducer(comm)
+        two_layer_step(comm, reducer, layers, seed=1, reduce=False)
+        local_started = list(reducer.started_buckets)
+        two_layer_step(comm, reducer, layers, seed=2)
+        return local_started, [layer.grad for layer in layers], reference_sum(comm, layers, [1, 2])
+
+    for local_started, actual, expected in run_ranks(2, program, timeout=10):
+        assert local_started == []
+        assert all(torch.equal(a, e) for a, e in zip(actual, expected))
+
+
+def test_summed_gradients_left_in_place_accumulate_as_in_torch():
+    def program(comm):
+        layers, reducer = layers_and_reducer(comm, bucket_bytes=1)  # a bucket per layer
+        two_layer_step(comm, reducer, layers, seed=1)
+        two_layer_step(comm, reducer, layers, seed=2)  # nobody cleared the first step's sums
+        expected = [a + b for a, b in zip(reference_sum(comm, layers, [1]), reference_sum(comm, layers, [2]))]
+        return [layer.grad for layer in layers], expected
+
+    for actual, expected in run_ranks(2, program, timeout=10):
+        assert all(torch.equal(a, e) for a, e in zip(actual, expected))

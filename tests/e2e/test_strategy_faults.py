@@ -1,0 +1,48 @@
+"""A rank that dies mid-training fails the whole run, fast, and leaves no process behind.
+
+The script runs as a user's would (``strategy="nnscaler"``, ``devices=2``: Lightning's script launcher
+re-runs it for rank 1), in its own session so that every process it starts can be found and killed.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from process_groups import kill_group, live_members, wait_until_gone
+
+SCRIPT = Path(__file__).with_name("strategy_scripts.py")
+COLLECTIVE_TIMEOUT_S = 30  # NnScalerStrategy(timeout=...): the longest a rank may wait for a dead peer
+EXIT_WITHIN_S = 60
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_killed_mid_training_fails_the_run_within_a_minute(tmp_path: Path) -> None:
+    death_file = tmp_path / "rank1_died_at"
+    log = tmp_path / "run.log"
+    with open(log, "w") as output:
+        run = subprocess.Popen(
+            [sys.executable, str(SCRIPT), "rank_dies", str(COLLECTIVE_TIMEOUT_S), str(death_file)],
+            cwd=tmp_path, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        return_code = run.wait(timeout=240)
+        all_exited_at = wait_until_gone(run.pid, timeout=EXIT_WITHIN_S)
+    finally:
+        kill_group(run.pid)
+    text = log.read_text()
+    assert death_file.exists(), f"rank 1 never reached the step it dies at:\n{text[-3000:]}"
+    assert return_code != 0, text[-3000:]
+    seconds_to_exit = all_exited_at - float(death_file.read_text())
+    assert 0 < seconds_to_exit < EXIT_WITHIN_S, text[-3000:]
+    assert live_members(run.pid) == []
+    # Rank 0 failed on the dead peer (gloo's connection reset or the collective timeout, in the generated
+    # step's communication or in a Lightning collective), or the launcher's observer killed it on seeing rank 1 die.
+    failed_on_peer = re.search(r"CommunicationError: rank 0: .* failed or did not complete|DistBackendError|Connection reset", text)
+    assert failed_on_peer or return_code == -signal.SIGKILL, text[-3000:]
+    print(f"every process exited {seconds_to_exit:.1f} s after rank 1 died; rank 0's exit code {return_code}")
