@@ -23,12 +23,13 @@ from lightning_nnscaler.verify import assert_equivalent
 
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry  # noqa: E402 - after the torchvision fix
 
+from lightning_nnscaler import checkpoint  # noqa: E402 - sharded checkpoints: load, merge, open_merged
 from lightning_nnscaler.strategy import NnScalerStrategy  # noqa: E402
 
 NnScalerStrategy.register_strategies(_StrategyRegistry)  # Trainer(strategy="nnscaler"), "nnscaler_tp", ...
 
 __all__ = [
-    "NnScalerStrategy",
+    "NnScalerStrategy", "checkpoint",
     "CaptureError", "Constraints", "DimAnnotation", "Graph", "IndexMask", "Op", "PTensor", "ValueMask", "VTensor",
     "assert_equivalent", "bind_inputs", "flatten_inputs", "op_assign", "op_order", "op_trans", "register_annotation", "run_graph",
     "Plan", "PlanContext", "apply_recipe", "build_plan", "list_recipes", "load_recipe", "parallelize", "trace", "validate_plan",

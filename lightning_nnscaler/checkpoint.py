@@ -27,6 +27,7 @@ Pieces are boxes of the full tensor (``((start, stop), ...)`` per dim) or, under
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -215,6 +216,15 @@ def merge(path: str | os.PathLike, output: str | os.PathLike) -> None:
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(load(path), output)
+
+
+def open_merged(path: str | os.PathLike) -> io.BytesIO:
+    """The sharded checkpoint at ``path`` as an in-memory plain checkpoint file, for APIs that read
+    one, e.g. ``MyModule.load_from_checkpoint(open_merged(path))``."""
+    buffer = io.BytesIO()
+    torch.save(load(path), buffer)
+    buffer.seek(0)
+    return buffer
 
 
 def _full_optimizer_state(

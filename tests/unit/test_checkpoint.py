@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lightning
 import pytest
 import torch
 
@@ -40,7 +41,7 @@ def _write(path: Path, token: str, scale: float = 1.0) -> Path:
     for rank, (model, optimizers) in enumerate(rank_pieces):
         write_atomically(rank_payload(model, optimizers), partial / rank_file_name(rank, 2))
     groups = [{"lr": 0.1, "params": [0, 1]}]
-    write_atomically({"global_step": int(scale), "optimizer_states": [{"param_groups": groups}]}, partial / COMMON)
+    write_atomically({"global_step": int(scale), "pytorch-lightning_version": lightning.__version__, "optimizer_states": [{"param_groups": groups}]}, partial / COMMON)
     return partial
 
 
@@ -92,3 +93,21 @@ def test_a_tensor_no_piece_covers_is_refused(tmp_path: Path) -> None:
     commit(partial, path, _metadata())
     with pytest.raises(CheckpointError, match="do not hold all of 'weight'"):
         checkpoint.load(path)
+
+
+class Tiny(lightning.LightningModule):
+    """Parameters named as the synthetic checkpoint's (``tied_bias`` is ``bias``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(4, 6))
+        self.bias = torch.nn.Parameter(torch.zeros(4))
+        self.tied_bias = self.bias
+
+
+def test_load_from_checkpoint_reads_a_sharded_checkpoint_through_open_merged(tmp_path: Path) -> None:
+    path = tmp_path / "epoch=0.ckpt"
+    commit(_write(path, "a"), path, _metadata())
+    model = Tiny.load_from_checkpoint(checkpoint.open_merged(path))
+    torch.testing.assert_close(model.weight.detach(), WEIGHT)
+    assert model.tied_bias is model.bias
