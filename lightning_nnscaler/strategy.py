@@ -290,7 +290,9 @@ class NnScalerStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer
         inputs = graph_inputs(self.plan, batch)
         scaler = getattr(self.precision_plugin, "scaler", None)  # 16-mixed: backward of the loss times the loss scale
-        scale = (scaler.get_scale() if scaler is not None else 1.0) / trainer.accumulate_grad_batches
+        scale: float | Tensor = 1.0 / trainer.accumulate_grad_batches
+        if scaler is not None:  # the scale as a tensor (GradScaler.get_scale() would wait for the device)
+            scale = scaler.scale(torch.ones((), device=self.root_device)) * scale
         reduce = not trainer.fit_loop._should_accumulate()
         # Lightning's zero_grad comes between training_step and backward on a window's first batch.
         first_of_window = batch_idx % trainer.accumulate_grad_batches == 0

@@ -50,10 +50,16 @@ def tied_key_groups(module: nn.Module) -> list[list[str]]:
 
 def group_keys_of(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[list[str]]:
     """Per param group, the state_dict key of each of its (full) parameters, in order."""
-    key_of = {}
-    for key, parameter in module.named_parameters(remove_duplicate=False):
-        key_of.setdefault(id(parameter), key)
+    key_of = _parameter_keys(module)
     return [[key_of[id(parameter)] for parameter in group["params"]] for group in optimizer.param_groups]
+
+
+def _parameter_keys(module: nn.Module) -> dict[int, str]:
+    """The first state_dict key of each parameter, by ``id`` (a tied parameter has several)."""
+    keys: dict[int, str] = {}
+    for key, parameter in module.named_parameters(remove_duplicate=False):
+        keys.setdefault(id(parameter), key)
+    return keys
 
 
 def single_device_param_groups(optimizer: torch.optim.Optimizer, group_keys: list[list[str]]) -> dict[str, Any]:
@@ -78,9 +84,7 @@ def held_optimizer_pieces(
 ) -> list[tuple[PieceLocation, dict[str, Any]]]:
     """The optimizer state of each piece it updates. ``locations`` is empty before planning, when the
     optimizer still updates the full module's parameters."""
-    key_of = {}
-    for key, parameter in module.named_parameters(remove_duplicate=False):
-        key_of.setdefault(id(parameter), key)
+    key_of = _parameter_keys(module)
     pieces = []
     for group in optimizer.param_groups:
         for parameter in group["params"]:

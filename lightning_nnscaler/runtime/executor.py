@@ -142,7 +142,7 @@ class RankExecutor:
         return shards
 
     def forward_backward(
-        self, inputs: dict[str, torch.Tensor], *, backward: bool = True, loss_scale: float = 1.0, reduce_gradients: bool = True
+        self, inputs: dict[str, torch.Tensor], *, backward: bool = True, loss_scale: float | torch.Tensor = 1.0, reduce_gradients: bool = True
     ) -> torch.Tensor:
         """One step's forward and backward on this rank; returns the whole loss (same on every rank).
 
@@ -153,7 +153,8 @@ class RankExecutor:
             inputs: The full batch by graph input name; each rank slices the box it needs.
             backward: False to run forward only (evaluation).
             loss_scale: The gradients are those of ``loss * loss_scale`` (Lightning divides the loss
-                by ``accumulate_grad_batches``).
+                by ``accumulate_grad_batches``; fp16 loss scaling multiplies it by a scale tensor,
+                passed as a tensor so that reading it never waits for the device).
             reduce_gradients: False keeps the replicated gradients local (DDP's ``no_sync``, for all
                 but the last batch of an accumulation window); the next reducing step sums them.
         """
@@ -170,7 +171,8 @@ class RankExecutor:
         if backward:
             self.reducer.before_backward(reduce_gradients)
             seeds = [seed for seed in seeds if seed.requires_grad]
-            scales = None if loss_scale == 1.0 else [torch.full_like(seed, loss_scale) for seed in seeds]
+            unscaled = not isinstance(loss_scale, torch.Tensor) and loss_scale == 1.0
+            scales = None if unscaled else [torch.ones_like(seed) * loss_scale for seed in seeds]
             # The token's chain reaches every send whose backward receives a gradient from a peer.
             comm.backward(token, seeds, scales)
         self.communicator.wait_sends()

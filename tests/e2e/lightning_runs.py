@@ -52,19 +52,25 @@ class TokenDataset(Dataset):
         return self.tokens[index], self.targets[index]
 
 
-class ScheduledGPT(GPT):
-    """The GPT reference with what real training code has: two param groups, a warm-up LR schedule,
-    and losses logged with ``sync_dist=True``."""
+class SyncLoggedSteps:
+    """training_step / validation_step that return ``compute_loss`` and log it with ``sync_dist=True``."""
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The batch's loss, logged as train_loss."""
         loss = self.compute_loss(batch)
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The batch's loss, logged as val_loss."""
         loss = self.compute_loss(batch)
         self.log("val_loss", loss, sync_dist=True)
         return loss
+
+
+class ScheduledGPT(SyncLoggedSteps, GPT):
+    """The GPT reference with what real training code has: two param groups, a warm-up LR schedule,
+    and losses logged with ``sync_dist=True``."""
 
     def configure_optimizers(self) -> Any:
         decay = [parameter for parameter in self.parameters() if parameter.dim() >= 2]
@@ -97,7 +103,7 @@ class SignalDataset(Dataset):
         return self.signals[index], self.labels[index]
 
 
-class ConvClassifier(L.LightningModule):
+class ConvClassifier(SyncLoggedSteps, L.LightningModule):
     """A plain classifier without attention: Conv1d -> GELU -> flatten -> Linear -> GELU -> Linear ->
     cross-entropy; SGD with momentum over two param groups and a step-wise StepLR schedule.
 
@@ -119,18 +125,6 @@ class ConvClassifier(L.LightningModule):
         """Mean cross-entropy over the batch."""
         signals, labels = batch
         return F.cross_entropy(self(signals), labels)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        """The batch's loss, logged as train_loss."""
-        loss = self.compute_loss(batch)
-        self.log("train_loss", loss, sync_dist=True)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        """The batch's loss, logged as val_loss."""
-        loss = self.compute_loss(batch)
-        self.log("val_loss", loss, sync_dist=True)
-        return loss
 
     def configure_optimizers(self) -> Any:
         """SGD + momentum: the conv at half the MLP's LR; the LR halves every 5 optimizer steps."""

@@ -326,15 +326,21 @@ def test_hook_started_gradient_sums_interleave_with_backward_communication(world
             assert indices.tolist() == list(range(len(indices))), f"rank {rank} started buckets out of order"
 
 
-@pytest.mark.timeout(120)
-def test_dp_gpt_gradients_on_two_gloo_ranks_equal_single_device(tmp_path):
+def single_device_gpt() -> torch.nn.Module:
+    """The GPT reference with the workers' initial weights (seed 0), logging switched off."""
     from lightning_nnscaler.models.gpt import GPT, GPTConfig
 
-    outcomes, _ = launch(2, "gpt_dp", tmp_path, deadline_s=100.0)
-    assert_succeeded(outcomes)
     torch.manual_seed(0)
     model = GPT(GPTConfig.small())
     model.log = lambda *args, **kwargs: None
+    return model
+
+
+@pytest.mark.timeout(120)
+def test_dp_gpt_gradients_on_two_gloo_ranks_equal_single_device(tmp_path):
+    outcomes, _ = launch(2, "gpt_dp", tmp_path, deadline_s=100.0)
+    assert_succeeded(outcomes)
+    model = single_device_gpt()
     loss = model.training_step(model.example_batch(4, torch.Generator().manual_seed(0)), 0)
     loss.backward()
     expected = {key: parameter.grad for key, parameter in model.named_parameters()}
@@ -351,13 +357,9 @@ def test_dp_gpt_gradients_on_two_gloo_ranks_equal_single_device(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_dp_gpt_accumulation_sums_once_and_equals_single_device(tmp_path):
-    from lightning_nnscaler.models.gpt import GPT, GPTConfig
-
     outcomes, _ = launch(2, "gpt_dp_accumulate", tmp_path, deadline_s=100.0)
     assert_succeeded(outcomes)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.small())
-    model.log = lambda *args, **kwargs: None
+    model = single_device_gpt()
     losses = []
     for seed in (0, 1):
         loss = model.training_step(model.example_batch(4, torch.Generator().manual_seed(seed)), 0)
