@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_nnscaler.models.gpt import GPT, GPTConfig
-from lightning_nnscaler.runtime.launch import launch
+from lightning_nnscaler.launch import launch
 
 CONFIG = GPTConfig(vocab_size=512, seq_len=128, hidden=256, layers=4, heads=8)
 GLOBAL_BATCH = 8

@@ -1,8 +1,7 @@
 """Capture: model + example inputs -> annotated IR Graph."""
 
-from lightning_nnscaler.capture import annotations, annotations_nn, annotations_shape  # noqa: F401 - register rules
 from lightning_nnscaler.capture.convert import CaptureError
-from lightning_nnscaler.capture.registry import register_annotation
 from lightning_nnscaler.capture.trace import bind_inputs, flatten_inputs, trace
+from lightning_nnscaler.ir.rules import register_annotation
 
 __all__ = ["CaptureError", "bind_inputs", "flatten_inputs", "register_annotation", "trace"]

@@ -12,7 +12,7 @@ from torch import fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from lightning_nnscaler.capture.registry import annotate_op
+from lightning_nnscaler.ir.rules import annotate_op
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.tensor import PTensor, VTensor

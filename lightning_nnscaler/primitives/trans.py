@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lightning_nnscaler.capture.registry import rule_for
+from lightning_nnscaler.ir.rules import rule_for
 from lightning_nnscaler.ir.annotation import AnnotationError, DimAnnotation
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import Op

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import lightning_nnscaler as lnn  # noqa: F401 - before lightning
-from lightning_nnscaler import strategy_checkpoint
+from lightning_nnscaler.strategy import checkpoint as strategy_checkpoint
 
 from lightning_runs import GLOBAL_BATCH, fit_gpt  # noqa: E402
 

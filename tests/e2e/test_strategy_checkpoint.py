@@ -16,7 +16,7 @@ import torch
 
 import lightning_nnscaler as lnn  # noqa: F401 - before lightning
 from lightning_nnscaler import checkpoint
-from lightning_nnscaler.runtime.launch import LaunchError, launch
+from lightning_nnscaler.launch import LaunchError, launch
 
 import lightning as L  # noqa: E402
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import lightning_nnscaler as lnn
-from lightning_nnscaler.runtime.launch import launch
-from lightning_nnscaler.strategy_logging import CODE_FOLDER, PLAN_KEY, plan_summary
+from lightning_nnscaler.launch import launch
+from lightning_nnscaler.strategy.plan_logging import CODE_FOLDER, PLAN_KEY, plan_summary
 
 from feature_runs import (  # noqa: E402 - after lightning_nnscaler
     MAX_EPOCHS, STEPS_PER_EPOCH, build_evaluated_model, features_worker, loaders,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import lightning_nnscaler as lnn  # noqa: F401 - before lightning
-from lightning_nnscaler.runtime.launch import launch
+from lightning_nnscaler.launch import launch
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402

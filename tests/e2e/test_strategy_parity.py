@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_nnscaler.runtime.launch import launch
+from lightning_nnscaler.launch import launch
 
 from lightning_runs import parity_worker  # noqa: E402 - tests/e2e is on sys.path
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import lightning_nnscaler as lnn
 from lightning_nnscaler import NnScalerStrategy
 from lightning_nnscaler.plans.catalog import RecipeError
-from lightning_nnscaler.runtime.launch import launch
+from lightning_nnscaler.launch import launch
 
 import lightning as L  # noqa: E402 - after lightning_nnscaler
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402

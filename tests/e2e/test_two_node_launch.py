@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_nnscaler.runtime.launch import free_port
+from lightning_nnscaler.launch import free_port
 
 from lightning_runs import single_device_run  # noqa: E402 - after lightning_nnscaler
 from process_groups import kill_group

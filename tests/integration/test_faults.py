@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_nnscaler.runtime.launch import launch
+from lightning_nnscaler.launch import launch
 
 from workers import die_mid_step  # noqa: E402 - tests/integration is on sys.path
 

@@ -7,7 +7,7 @@ import torch
 
 from lightning_nnscaler.materialize import AlphaBeta
 from lightning_nnscaler.runtime.executor import Shard, merge_shards
-from lightning_nnscaler.runtime.launch import launch
+from lightning_nnscaler.launch import launch
 
 from workers import STEPS, single_device_run, train_recipes  # noqa: E402 - tests/integration is on sys.path
 

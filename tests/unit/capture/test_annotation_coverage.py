@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from support.op_cases import MODEL_NAMES, all_op_cases, all_targets, coverage_table, traced
 
-from lightning_nnscaler.capture.registry import rule_for
+from lightning_nnscaler.ir.rules import rule_for
 from lightning_nnscaler.ir.annotation import AnnotationError
 
 # Op targets the graphs contain that are deliberately left without a rule (replicate only), each

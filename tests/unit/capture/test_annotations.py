@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import lightning_nnscaler as lnn
-from lightning_nnscaler.capture.annotations_shape import reshape_specs
-from lightning_nnscaler.capture.registry import annotate_op
+from lightning_nnscaler.ir.rules.shape import reshape_specs
+from lightning_nnscaler.ir.rules import annotate_op
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.tensor import PTensor, VTensor
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from support.op_cases import MODEL_NAMES, ZOO, OpCase, all_op_cases, cases_by_target, check_split, single_threaded
 
 import lightning_nnscaler as lnn
-from lightning_nnscaler.capture.registry import rule_for
+from lightning_nnscaler.ir.rules import rule_for
 from lightning_nnscaler.primitives import TransformError
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-from lightning_nnscaler.capture.annotations import _names, _text, exact_value_inputs
-from lightning_nnscaler.capture.registry import register_annotation
+from lightning_nnscaler.ir.rules.common import _names, _text, exact_value_inputs
+from lightning_nnscaler.ir.rules.registry import register_annotation
 from lightning_nnscaler.ir.op import Op
 
 

@@ -14,14 +14,14 @@ step happens:
   through ``training_step``, the recipe plans it for the world size (every rank plans alike, from
   the same batch; the plan hashes are compared, no shared filesystem is needed), the rank's
   generated module is loaded into a ``RankExecutor``, and the optimizers' param groups move onto
-  the rank's pieces (``strategy_gradients.move_param_groups``).
+  the rank's pieces (``gradients.move_param_groups``).
 - **training_step** runs ``forward_backward`` (forward, backward and the gradient reduction) and
   returns the loss, so Lightning logs it and steps the optimizer; Lightning's ``backward`` then only
-  hands the step's gradients over (``strategy_gradients.GradientStash``).
+  hands the step's gradients over (``gradients.GradientStash``).
 - **validation / test / predict** run the user's own steps on the full LightningModule, refreshed
   from every rank's shards first (``_refresh_module``); so does the end of training.
 - **checkpoints** are sharded directories: every rank writes its own pieces atomically, rank 0 the
-  rest of Lightning's checkpoint and, last, the metadata (``strategy_checkpoint``,
+  rest of Lightning's checkpoint and, last, the metadata (``strategy.checkpoint``,
   ``lightning_nnscaler.checkpoint``). Loading assembles the single-device checkpoint, so a run
   resumes under any recipe and world size (the first batch's plan cuts it into pieces); plain
   checkpoint files (``lightning-nnscaler ckpt merge``'s, or DDP's) load too.
@@ -68,14 +68,14 @@ from lightning_nnscaler.plans.catalog import list_recipes
 from lightning_nnscaler.runtime import TorchDistributedCommunicator
 from lightning_nnscaler.runtime.executor import RankExecutor
 from lightning_nnscaler import checkpoint as sharded_checkpoint
-from lightning_nnscaler.strategy_checkpoint import (
+from lightning_nnscaler.strategy.checkpoint import (
     copy_pieces_into, group_keys_of, held_model_pieces, held_optimizer_pieces, save_sharded, single_device_param_groups,
 )
-from lightning_nnscaler.strategy_gradients import (
+from lightning_nnscaler.strategy.gradients import (
     GradientStash, PieceOf, clip_grad_norm, gradient_holders, move_param_groups, piece_locations, replica_counts,
 )
-from lightning_nnscaler.strategy_logging import log_plan, record_loss_logs
-from lightning_nnscaler.strategy_plan import check_recipe, check_supported, graph_inputs, plan_training_step
+from lightning_nnscaler.strategy.plan_logging import log_plan, record_loss_logs
+from lightning_nnscaler.strategy.planning import check_recipe, check_supported, graph_inputs, plan_training_step
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
@@ -375,7 +375,7 @@ class NnScalerStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Nothing: ``save_checkpoint`` writes each rank's own pieces (``strategy_checkpoint``), so no
+        """Nothing: ``save_checkpoint`` writes each rank's own pieces (``strategy.checkpoint``), so no
         rank assembles the whole model to save it."""
         return {}
 

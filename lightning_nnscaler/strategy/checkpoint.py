@@ -26,7 +26,7 @@ from lightning_nnscaler.checkpoint import (
     COMMON, CheckpointError, PieceLocation, commit, full_box, partial_directory, rank_file_name, rank_payload, write_atomically,
 )
 from lightning_nnscaler.runtime.executor import RankExecutor
-from lightning_nnscaler.strategy_gradients import PieceOf
+from lightning_nnscaler.strategy.gradients import PieceOf
 
 _Entry = tuple[Any, ...]  # a piece's identity: ("model", location) or ("optimizer", index, location)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Iterator
 
-from lightning_nnscaler.capture.registry import register_annotation
+from lightning_nnscaler.ir.rules.registry import register_annotation
 from lightning_nnscaler.ir.annotation import DimAnnotation
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.tensor import VTensor

@@ -1,6 +1,7 @@
 """Start N local processes joined in a torch.distributed group (gloo on CPU) and collect results.
 
-Used by the integration tests and benchmarks to run generated per-rank code on real processes.
+A documented public helper: run a function on N local gloo processes (the integration tests and
+benchmarks use it to run generated per-rank code on real ranks; so can a plan author).
 A failing or hanging rank never hangs the caller: when one rank fails, or the timeout passes,
 every other rank is terminated and ``LaunchError`` names what happened.
 """

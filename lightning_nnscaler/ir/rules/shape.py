@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
-from lightning_nnscaler.capture.annotations import _broadcast, _names, _normalized_dims, _text, argument, exact_value_inputs
-from lightning_nnscaler.capture.registry import register_annotation
+from lightning_nnscaler.ir.rules.common import _broadcast, _names, _normalized_dims, _text, argument, exact_value_inputs
+from lightning_nnscaler.ir.rules.registry import register_annotation
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.tensor import VTensor
 
