@@ -30,7 +30,7 @@ from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.validate import validate_plan
 from lightning_nnscaler.plans.context import PlanContext
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 _TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "bool": (bool,), "float": (int, float), "str": (str,)}
 _REQUIRED_KEYS = ("name", "function", "summary")
 
