@@ -1,6 +1,7 @@
 """Step time: Trainer(strategy="nnscaler") with the dp recipe vs Lightning's "ddp" (2 gloo ranks, CPU).
 
-Same model, same global batches; the two strategies alternate (interleaved rounds) so machine
+Same model, the same script and DataLoader (``batch_size`` per data-parallel replica, as ddp
+expects), so the same global batches; the two strategies alternate (interleaved rounds) so machine
 load hits both alike; the figure is the median batch time after warm-up. Goal: ratio <= 0.95.
 Run: python benchmarks/ddp_vs_nnscaler.py [--rounds 2 --steps 25]
 """
@@ -56,8 +57,7 @@ class BatchTimer(Callback):
 
 def fit(strategy: str, world_size: int, steps: int) -> list[float]:
     """Batch times of one fit."""
-    per_rank = GLOBAL_BATCH if strategy.startswith("nnscaler") else GLOBAL_BATCH // world_size
-    data = DataLoader(Tokens(GLOBAL_BATCH * steps), batch_size=per_rank, drop_last=True)
+    data = DataLoader(Tokens(GLOBAL_BATCH * steps), batch_size=GLOBAL_BATCH // world_size, drop_last=True)  # per replica
     timer = BatchTimer()
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=world_size, max_steps=steps, logger=False,

@@ -22,7 +22,8 @@ them; the strategy then cuts it into the new plan's pieces. ``merge`` writes tha
 plain file which loads with ``strategy="auto"``. Every load is ``torch.load(weights_only=True)``.
 
 Pieces are boxes of the full tensor (``((start, stop), ...)`` per dim) or, under ZeRO, chunk
-``index`` of ``size`` elements of such a box flattened and zero-padded (``runtime.reducer``).
+``index`` of ``size`` elements of such a box flattened and zero-padded (``runtime.reducer``); a
+file records each one's ``ir.box.PieceLocation`` in its plain form.
 """
 
 from __future__ import annotations
@@ -33,49 +34,21 @@ import math
 import os
 import shutil
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import torch
+
+from lightning_nnscaler.ir.box import Box, PieceLocation, region
 
 FORMAT = "lightning-nnscaler-sharded"
 VERSION = 1
 METADATA = "metadata.json"
 COMMON = "common.pt"
 
-Box = tuple[tuple[int, int], ...]
-
 
 class CheckpointError(RuntimeError):
     """A checkpoint directory that is incomplete, of another format, or does not match its metadata."""
-
-
-@dataclass(frozen=True)
-class PieceLocation:
-    """Where a saved piece lies in its full tensor."""
-
-    state_key: str
-    """The tensor's state_dict key."""
-    box: Box
-    """The box of the full tensor this piece is (or, under ZeRO, was cut from)."""
-    chunk: Optional[tuple[int, int]] = None
-    """ZeRO only: ``(index, size)`` of the flattened, zero-padded box."""
-
-    def to_plain(self) -> dict[str, Any]:
-        """Lists and numbers only (``weights_only`` loads accept them)."""
-        return {"key": self.state_key, "box": [list(span) for span in self.box], "chunk": list(self.chunk) if self.chunk else None}
-
-    @classmethod
-    def from_plain(cls, plain: dict[str, Any]) -> PieceLocation:
-        """The inverse of ``to_plain``."""
-        chunk = plain["chunk"]
-        return cls(plain["key"], tuple(tuple(span) for span in plain["box"]), tuple(chunk) if chunk else None)
-
-
-def full_box(shape: Iterable[int]) -> Box:
-    """The box that covers a whole tensor of ``shape``."""
-    return tuple((0, size) for size in shape)
 
 
 def rank_file_name(rank: int, world_size: int) -> str:
@@ -198,8 +171,8 @@ def _assemble_model_state(metadata: dict[str, Any], pieces: list[dict[str, Any]]
         if key not in state:
             state[key] = torch.empty(shapes[key], dtype=getattr(torch, metadata["dtypes"][key]))
             covered[key] = torch.zeros(shapes[key], dtype=torch.bool)
-        state[key][_region(location.box)] = piece["value"]
-        covered[key][_region(location.box)] = True
+        state[key][location.region()] = piece["value"]
+        covered[key][location.region()] = True
     for group in metadata["tied"]:
         source = next((key for key in group if key in state), None)
         for key in group:
@@ -259,13 +232,13 @@ def _assemble(entries: list[tuple[PieceLocation, dict[str, Any]]], shape: tuple[
         chunks: dict[Box, dict[int, torch.Tensor]] = defaultdict(dict)
         for location, values in entries:
             if location.chunk is None:
-                full[_region(location.box)] = values[name]
+                full[location.region()] = values[name]
             else:
                 chunks[location.box][location.chunk[0]] = values[name]
         for box, by_index in chunks.items():  # ZeRO: a box's chunks, in index order, make the box
-            region = full[_region(box)]
+            target = full[region(box)]
             flat = torch.cat([by_index[chunk_index] for chunk_index in sorted(by_index)])
-            region.copy_(flat[: math.prod(region.shape)].reshape(region.shape))
+            target.copy_(flat[: math.prod(target.shape)].reshape(target.shape))
         result[name] = full
     return result
 
@@ -274,13 +247,7 @@ def _is_elementwise(value: Any, location: PieceLocation) -> bool:
     """An optimizer state tensor with one entry per element of the piece (Adam's moments, not its step)."""
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return False
-    if location.chunk is not None:
-        return tuple(value.shape) == (location.chunk[1],)
-    return tuple(value.shape) == tuple(stop - start for start, stop in location.box)
-
-
-def _region(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(start, stop) for start, stop in box)
+    return tuple(value.shape) == location.shape
 
 
 def _to_cpu(value: Any) -> Any:

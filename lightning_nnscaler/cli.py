@@ -1,6 +1,7 @@
 """``lightning-nnscaler``: the command line.
 
-    lightning-nnscaler recipes                 the recipe catalog, a line each
+    lightning-nnscaler recipes                 the recipe catalog, a line each (with its parameters)
+    lightning-nnscaler --import MODULE ...     import MODULE first (it registers your own recipes)
     lightning-nnscaler ckpt info DIR           a sharded checkpoint's plan and files
     lightning-nnscaler ckpt merge DIR OUT      a sharded checkpoint as one plain Lightning checkpoint file
 """
@@ -8,17 +9,21 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from typing import Optional, Sequence
 
 from lightning_nnscaler import checkpoint
-from lightning_nnscaler.plans.catalog import list_recipes
+from lightning_nnscaler.plans.catalog import RecipeError, list_recipes
 
 
 def _recipes(arguments: argparse.Namespace) -> None:
     for spec in list_recipes():
-        print(f"{spec.name:<10} {spec.summary}")
+        parameters = ", ".join(
+            f"{p.name}: {p.type}" + (" | None" if p.nullable else "") + (" (required)" if p.required else f" = {p.default!r}") for p in spec.parameters.values()
+        )
+        print(f"{spec.name:<10} {spec.summary}" + (f" [{parameters}]" if parameters else ""))
 
 
 def _ckpt_info(arguments: argparse.Namespace) -> None:
@@ -35,6 +40,10 @@ def _ckpt_merge(arguments: argparse.Namespace) -> None:
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``lightning-nnscaler``."""
     root = argparse.ArgumentParser(prog="lightning-nnscaler", description="lightning-nnscaler tools")
+    root.add_argument(
+        "--import", dest="imports", action="append", default=[], metavar="MODULE",
+        help="import MODULE before the command (e.g. a module that calls lightning_nnscaler.register_recipe); repeatable",
+    )
     commands = root.add_subparsers(dest="command", required=True)
     commands.add_parser("recipes", help="list the recipe catalog").set_defaults(run=_recipes)
     ckpt = commands.add_parser("ckpt", help="sharded checkpoints").add_subparsers(dest="ckpt_command", required=True)
@@ -52,8 +61,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; returns the exit status (2 with a message for a bad checkpoint)."""
     arguments = parser().parse_args(argv)
     try:
+        for module in arguments.imports:
+            importlib.import_module(module)
         arguments.run(arguments)
-    except checkpoint.CheckpointError as error:
+    except (checkpoint.CheckpointError, RecipeError) as error:
         print(f"lightning-nnscaler: {error}", file=sys.stderr)
         return 2
     return 0

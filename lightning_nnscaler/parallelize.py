@@ -12,12 +12,17 @@ import torch
 from torch import nn
 
 from lightning_nnscaler.capture import bind_inputs, trace
+from lightning_nnscaler.capture.step_values import StepValues
+from lightning_nnscaler.capture.trace import trace_training_step
 from lightning_nnscaler.codegen import emit_rank, module_from_source, save_sources
 from lightning_nnscaler.codegen.load import digest
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.tensor import dtype_bytes
+from lightning_nnscaler.ir.validate import PlanError
 from lightning_nnscaler.materialize.dependencies import materialize
 from lightning_nnscaler.materialize.program import Collective, Compute, Program, Recv
+from lightning_nnscaler.plans.layout import RecipeLayout, single_replica
+from lightning_nnscaler.runtime.comm import Communicator
 from lightning_nnscaler.runtime.executor import RankExecutor, merge_gradients
 from lightning_nnscaler.verify import EquivalenceError, evaluate
 
@@ -50,7 +55,23 @@ class Plan:
     sources: list[str]
     plan_hash: str
     zero_stage: int = 0
+    layout: RecipeLayout | None = None
+    """The recipe's layout: which data-parallel replica each rank belongs to (one replica when None)."""
     _reference: Any = field(default=None, repr=False)
+    step_values: StepValues = field(default_factory=StepValues)
+    """The plain attributes the traced training_step read; ``check(module)`` before each step (none for forward)."""
+
+    @property
+    def data_layout(self) -> RecipeLayout:
+        """The layout, one replica over every rank when the plan has none."""
+        return self.layout or single_replica(self.world_size, {})
+
+    def replica_inputs(self, rank: int, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rank ``rank``'s data-parallel replica's share of whole-batch ``inputs`` (what its DataLoader loads)."""
+        layout = self.data_layout
+        rows = {tensor.name: tensor.shape[0] // layout.data_parallel for tensor in self.graph.user_inputs if tensor.shape}
+        replica = layout.replica(rank)
+        return {name: value[replica * rows[name] : (replica + 1) * rows[name]] if name in rows else value for name, value in inputs.items()}
 
     def save_code(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``rank{r}.py`` for every rank under ``directory/<plan hash>``; returns that folder."""
@@ -74,10 +95,11 @@ class Plan:
         inputs = self.inputs()
         state = {**dict(self.module.named_parameters(remove_duplicate=False)), **dict(self.module.named_buffers(remove_duplicate=False))}
 
-        def run_rank(communicator: Any) -> tuple[float, dict]:
-            module = module_from_source(self.sources[communicator.rank], f"verify_rank{communicator.rank}")
-            executor = RankExecutor(module, communicator.rank, state, self.graph.constant_values, communicator)
-            loss = executor.forward_backward(inputs)
+        def run_rank(communicator: Communicator) -> tuple[float, dict]:
+            rank = communicator.rank
+            module = module_from_source(self.sources[rank], f"verify_rank{rank}")
+            executor = RankExecutor(module, rank, state, self.graph.constant_values, communicator, input_offsets=self.input_offsets(rank))
+            loss = executor.forward_backward(self.replica_inputs(rank, inputs))
             return float(loss), executor.gradients()
 
         results = run_ranks(self.world_size, run_rank, timeout=timeout)
@@ -97,6 +119,12 @@ class Plan:
                 raise EquivalenceError(f"gradient of parameter {key!r} differs from single device (max abs difference {difference:.3g})")
             worst = max(worst, (merged[key] - grad).abs().max().item())
         return VerifyReport(self.world_size, results[0][0], reference_loss, worst, len(expected))
+
+    def input_offsets(self, rank: int) -> dict[str, int]:
+        """Per batch input, the first row of rank ``rank``'s replica's share in the whole batch."""
+        layout = self.data_layout
+        replica = layout.replica(rank)
+        return {tensor.name: replica * (tensor.shape[0] // layout.data_parallel) for tensor in self.graph.user_inputs if tensor.shape}
 
     def explain(self) -> str:
         """Per-rank parameter, gradient, optimizer (AdamW) and activation bytes, and communication per step."""
@@ -134,10 +162,15 @@ def _human(count: int) -> str:
 
 def parallelize(
     module: nn.Module, example_args: Any, recipe: str = "dp", world_size: int = 1, *, step: str | None = None,
-    communication_cost: Any = None, **params: Any,
+    communication_cost: Any = None, allow_partial: bool = False, **params: Any,
 ) -> Plan:
     """Trace ``module``, apply the catalog recipe ``recipe`` for ``world_size`` ranks, materialize
     and generate per-rank code.
+
+    The plan is never silently weaker than asked: when the recipe cannot split an op it means to
+    split (e.g. ``tp`` over 3 ranks of 4 attention heads) it raises a ``RecipeError`` naming the
+    module, the dim, its size and the parts (see ``plans.coverage``), and a rank left without work
+    raises ``IdleRankError``.
 
     Args:
         module: The model (a LightningModule with ``step="training_step"``, or any module).
@@ -146,28 +179,79 @@ def parallelize(
         world_size: Number of ranks.
         step: ``None`` (forward) or ``"training_step"``.
         communication_cost: The RVD search's cost model (``materialize.AlphaBeta`` by default).
+        allow_partial: Best effort: accept a plan that leaves whole (replicated) ops the recipe
+            means to split, with a ``PartialPlanWarning`` saying how much of the model was split,
+            instead of a ``RecipeError``. Idle ranks are refused all the same.
         **params: The recipe's parameters (checked against the catalog before anything runs).
     """
     from lightning_nnscaler.plans.catalog import apply_recipe
+    from lightning_nnscaler.plans.coverage import check_coverage
+    from lightning_nnscaler.plans.propagate import recording_refusals
 
-    graph = trace(module, example_args, step=step)
+    if step == "training_step":  # the step's Python values that tracing would freeze: refused, or checked every step
+        graph, step_values = trace_training_step(module, example_args)
+    else:
+        graph, step_values = trace(module, example_args, step=step), StepValues()
     planned = graph.copy()
-    context = apply_recipe(planned, recipe, world_size, **params)
-    return build_plan(module, example_args, step, graph, planned, world_size, recipe=recipe, params=params, zero_stage=context.zero_stage, validated=True, communication_cost=communication_cost)
+    with recording_refusals() as refusals:  # ops the recipe meant to split but could not
+        context = apply_recipe(planned, recipe, world_size, **params)
+    check_coverage(planned, graph, world_size, recipe=recipe, allow_partial=allow_partial, refusals=refusals)
+    plan = build_plan(
+        module, example_args, step, graph, planned, world_size, recipe=recipe, params=params, zero_stage=context.zero_stage,
+        validated=True, communication_cost=communication_cost, layout=context.layout,
+    )
+    plan.step_values = step_values
+    return plan
 
 
 def build_plan(
     module: nn.Module, example_args: Any, step: str | None, graph: Graph, planned: Graph, world_size: int,
     *, recipe: str = "custom", params: dict[str, Any] | None = None, zero_stage: int = 0, validated: bool = False,
-    communication_cost: Any = None,
+    communication_cost: Any = None, layout: RecipeLayout | None = None,
 ) -> Plan:
     """Materialize a graph planned by any means (a recipe or hand-written primitives) and generate code.
 
     ``validated=True`` when ``planned`` was just checked by ``validate_plan`` (``apply_recipe`` does).
+    ``layout`` is the recipe's promise of data-parallel replicas (default: one replica, every rank
+    loads the whole batch); each rank's batch pieces must lie inside its replica's rows.
+
+    Raises:
+        PlanError: a rank reads batch rows outside its replica's share (the layout does not match the plan).
     """
     params = dict(params or {})
     program = materialize(planned, world_size, validate=not validated, cost=communication_cost)
+    check_batch_split(program, graph, layout or single_replica(world_size, {}), recipe)
     plan_hash = digest("\n".join([CODEGEN_VERSION, str(world_size), str(zero_stage), str(graph), str(planned)]))
     label = f"recipe {recipe}" + (f" {params}" if params else "")
     sources = [emit_rank(program, rank, plan_hash[:12], label, zero_stage) for rank in range(world_size)]
-    return Plan(module, example_args, step, recipe, params, world_size, graph, planned, program, sources, plan_hash, zero_stage)
+    return Plan(module, example_args, step, recipe, params, world_size, graph, planned, program, sources, plan_hash, zero_stage, layout)
+
+
+def check_batch_split(program: Program, graph: Graph, layout: RecipeLayout, recipe: str) -> None:
+    """Raise unless every rank's batch pieces lie in the rows its data-parallel replica loads.
+
+    With ``layout.data_parallel`` replicas, replica ``i`` loads rows ``[i * n, (i + 1) * n)`` of each
+    batch input (``n`` = batch / replicas): a rank that read other rows would need samples its
+    DataLoader never loaded.
+    """
+    replicas = layout.data_parallel
+    for tensor in graph.user_inputs:
+        if tensor.shape and tensor.shape[0] % replicas:
+            raise PlanError(
+                f"recipe {recipe!r}: batch input %{tensor.name} has {tensor.shape[0]} rows, which its {replicas} "
+                f"data-parallel replicas ({layout.grid}) do not divide"
+            )
+    rows = {tensor.name: tensor.shape[0] // replicas for tensor in graph.user_inputs if tensor.shape}
+    for rank_program in program.ranks:
+        replica = layout.replica(rank_program.rank)
+        for local in rank_program.inputs:
+            if local.role != "input" or local.name not in rows:
+                continue
+            start, stop = local.box[0]
+            first, last = replica * rows[local.name], (replica + 1) * rows[local.name]
+            if start < first or stop > last:
+                raise PlanError(
+                    f"recipe {recipe!r}: rank {rank_program.rank} reads rows [{start}, {stop}) of batch input %{local.name}, "
+                    f"but its data-parallel replica {replica} of {replicas} ({layout.grid}) loads rows [{first}, {last}). "
+                    "The recipe's layout must declare the data-parallel axis its plan splits the batch over."
+                )

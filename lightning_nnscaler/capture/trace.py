@@ -3,7 +3,9 @@
 ``torch.export`` (non-strict) produces an ATen graph; ``convert`` then turns it into the IR:
 parameters and buffers become named graph inputs that keep their ``state_dict`` keys, regions run
 under ``torch.no_grad()`` become ops marked ``no_grad``, in-place ops become their out-of-place
-forms, and means are rewritten as sum / count so that a split batch stays exact.
+forms, and means are rewritten as sum / count so that a split batch stays exact. A training step is
+traced once and run every step, so the Python values it would freeze are refused or recorded for a
+check before each step (``step_values``).
 """
 
 from __future__ import annotations
@@ -16,18 +18,22 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from lightning_nnscaler.capture.convert import CaptureError, convert
+from lightning_nnscaler.capture.step_values import StepValues, StepWatch, watch_step
 from lightning_nnscaler.ir.graph import Graph
 
 
 class _TrainingStep(nn.Module):
-    """Exposes ``training_step(batch, 0)`` as ``forward(batch)`` returning the loss tensor."""
+    """Exposes ``training_step(batch, batch_idx)`` as ``forward(batch)`` returning the loss tensor;
+    ``batch_idx`` (0) and the torch calls are watched by ``watch`` (``step_values``)."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, watch: StepWatch) -> None:
         super().__init__()
         self.module = module
+        self.watch = watch
 
     def forward(self, batch: Any) -> torch.Tensor:
-        output = self.module.training_step(batch, 0)
+        with self.watch.torch_calls():
+            output = self.module.training_step(batch, self.watch.batch_idx)
         if isinstance(output, dict):
             output = output.get("loss")
         if not isinstance(output, torch.Tensor):
@@ -62,25 +68,52 @@ def trace(module: nn.Module, example_args: Any, *, step: str | None = None) -> G
 
     Raises:
         CaptureError: naming the submodule whose code could not be captured and what to change.
+        FrozenValueError: ``training_step`` computes with a value that changes between steps (see
+            ``trace_training_step``).
     """
     if step not in (None, "training_step"):
         raise CaptureError(f"step={step!r} is not supported; use None (forward) or 'training_step'")
     if step == "training_step":
-        wrapper: nn.Module = _TrainingStep(module)
-        args: tuple[Any, ...] = (example_args,)
-    else:
-        wrapper = _Forward(module)
-        args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
+        return trace_training_step(module, example_args)[0]
+    wrapper = _Forward(module)
+    args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
+    return convert(_export(wrapper, args, module), dict(wrapper.named_parameters(remove_duplicate=False)), prefix="module.")
+
+
+def trace_training_step(module: nn.Module, batch: Any) -> tuple[Graph, StepValues]:
+    """Capture ``module.training_step(batch, batch_idx)`` into an IR Graph, watching the Python
+    values the captured step would freeze (``capture.step_values``).
+
+    Returns:
+        The graph (user inputs follow ``flatten_inputs(batch, step="training_step")``) and the plain
+        attributes the step read, whose ``check(module)`` must pass before each later step.
+
+    Raises:
+        FrozenValueError: the step computes with ``batch_idx``, ``self.global_step``,
+            ``self.current_epoch`` or the Trainer's, or assigns a plain attribute; naming each and the fix.
+        CaptureError: naming the submodule whose code could not be captured and what to change.
+    """
+    with watch_step(module) as watch:
+        wrapper = _TrainingStep(module, watch)
+        try:
+            exported = _export(wrapper, (batch,), module)
+        except CaptureError as error:
+            watch.raise_if_frozen(cause=error)  # a frozen value is the likelier root cause
+            raise
+    watch.raise_if_frozen()
+    return convert(exported, dict(wrapper.named_parameters(remove_duplicate=False)), prefix="module."), watch.step_values()
+
+
+def _export(wrapper: nn.Module, args: tuple[Any, ...], module: nn.Module) -> torch.export.ExportedProgram:
+    """``torch.export`` (non-strict) of ``wrapper``; a failure names ``module``'s innermost submodule."""
     module_paths = {id(sub): name or type(module).__name__ for name, sub in module.named_modules()}
     with _silenced_logging(module):
         try:
-            exported = torch.export.export(wrapper, args, strict=False)
+            return torch.export.export(wrapper, args, strict=False)
         except CaptureError:
             raise
         except Exception as error:  # noqa: BLE001 - every export failure gets the module path
             raise CaptureError(_explain(error, module_paths, type(module).__name__)) from error
-    named_parameters = dict(wrapper.named_parameters(remove_duplicate=False))
-    return convert(exported, named_parameters, prefix="module.")
 
 
 def flatten_inputs(example_args: Any, *, step: str | None = None) -> list[torch.Tensor]:

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.printer import format_argument
 from lightning_nnscaler.materialize.program import Assemble, Collective, Compute, Program, RankProgram, Recv, Send, reads, writes
 

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from lightning_nnscaler.ir.box import Box, full_box
+
 TensorRole = Literal["input", "parameter", "buffer", "constant", "activation"]
 TENSOR_ROLES: tuple[str, ...] = ("input", "parameter", "buffer", "constant", "activation")
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1, "int8": 1, "uint8": 1}
@@ -66,12 +68,12 @@ class PTensor:
 class IndexMask:
     """A box of indices: per dim a half-open range ``[start, stop)``."""
 
-    ranges: tuple[tuple[int, int], ...]
+    ranges: Box
 
     @classmethod
     def full(cls, shape: tuple[int, ...]) -> IndexMask:
         """The mask covering a whole tensor of ``shape``."""
-        return cls(tuple((0, size) for size in shape))
+        return cls(full_box(shape))
 
     @property
     def shape(self) -> tuple[int, ...]:

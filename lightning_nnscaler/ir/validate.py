@@ -1,4 +1,4 @@
-"""Plan validation: every op placed, devices in range, and no deadlock.
+"""Plan validation: every op placed, devices in range, every device used, and no deadlock.
 
 A plan deadlocks when its ops wait on each other in a cycle. An op waits on
 - the ops whose output pieces overlap its input pieces (data dependencies),
@@ -38,6 +38,10 @@ class UnassignedOpError(PlanError):
 
 class DeviceOutOfRangeError(PlanError):
     """Some op is placed on a device outside ``0..world_size-1``."""
+
+
+class IdleRankError(PlanError):
+    """Some rank of ``0..world_size-1`` runs no op: the plan is for fewer ranks than it is run on."""
 
 
 class UnknownOpError(PlanError):
@@ -136,17 +140,19 @@ def stable_topological_order(graph: Graph) -> list[Op]:
 
 
 def validate_plan(graph: Graph, world_size: int | None = None) -> None:
-    """Check that the plan can run: placed, in range, ordered without a deadlock.
+    """Check that the plan can run: placed, in range, ordered without a deadlock, no rank idle.
 
     Args:
         graph: The planned graph.
-        world_size: Number of devices; when given, every device must be in ``0..world_size-1``.
+        world_size: Number of devices; when given, every device must be in ``0..world_size-1``
+            and each of them must run at least one op.
 
     Raises:
         UnassignedOpError: Some op has no device.
         DeviceOutOfRangeError: Some op's device is outside ``0..world_size-1``.
         UnknownOpError: An order edge names an op that is not in the graph.
         DeadlockError: Data dependencies, order edges and the per-device list order form a cycle.
+        IdleRankError: Some rank of ``0..world_size-1`` runs no op (checked last).
     """
     unassigned = [op.name for op in graph.ops if op.device is None]
     if unassigned:
@@ -172,6 +178,27 @@ def validate_plan(graph: Graph, world_size: int | None = None) -> None:
         cycle = find_cycle(names, _successors(graph, data, graph.order_edges + _device_sequence(graph)))
     if cycle is not None:
         raise _deadlock(graph, data, cycle)
+    if world_size is not None:
+        check_no_idle_rank(graph, world_size)
+
+
+def idle_ranks(graph: Graph, world_size: int) -> list[int]:
+    """The ranks of ``0..world_size-1`` that no op is assigned to (none for a graph without ops)."""
+    used = {op.device for op in graph.ops}
+    return [rank for rank in range(world_size) if rank not in used] if graph.ops else []
+
+
+def check_no_idle_rank(graph: Graph, world_size: int) -> None:
+    """Raise IdleRankError naming the ranks of ``0..world_size-1`` that run no op, and the fix."""
+    idle = idle_ranks(graph, world_size)
+    if idle:
+        used = world_size - len(idle)
+        subject = f"rank {idle[0]}" if len(idle) == 1 else f"ranks {', '.join(map(str, idle[:8]))}{' ...' if len(idle) > 8 else ''}"
+        raise IdleRankError(
+            f"{subject} of world_size {world_size} {'runs' if len(idle) == 1 else 'run'} no op: the plan uses only {used} of "
+            f"its {world_size} ranks, and an idle rank holds a device without doing any work. Plan for world_size {used}, "
+            "or place work on every rank (op_assign(graph, op, rank) for the pieces of a split, or a recipe that splits over all ranks)"
+        )
 
 
 def _data_edges(graph: Graph) -> dict[str, dict[str, str]]:

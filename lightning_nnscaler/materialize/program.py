@@ -10,10 +10,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from lightning_nnscaler.ir.box import Box
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.tensor import IndexMask, VTensor
-
-Box = tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)

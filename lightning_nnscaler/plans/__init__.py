@@ -7,6 +7,7 @@ Each recipe is ``recipe(graph, ctx, *, params) -> None`` and is catalogued in ``
 from lightning_nnscaler.plans.catalog import RecipeError, RecipeSpec, apply_recipe, list_recipes, load_recipe
 from lightning_nnscaler.plans.context import PlanContext
 from lightning_nnscaler.plans.coshard import coshard
+from lightning_nnscaler.plans.coverage import CoverageReport, PartialPlanWarning, check_coverage
 from lightning_nnscaler.plans.dp import dp
 from lightning_nnscaler.plans.hybrid import hybrid
 from lightning_nnscaler.plans.megatron_tp import tp
@@ -14,6 +15,6 @@ from lightning_nnscaler.plans.sequence import sp
 from lightning_nnscaler.plans.zero import zero1, zero3
 
 __all__ = [
-    "PlanContext", "RecipeError", "RecipeSpec", "apply_recipe", "coshard", "dp", "hybrid", "list_recipes", "load_recipe",
-    "sp", "tp", "zero1", "zero3",
+    "CoverageReport", "PartialPlanWarning", "PlanContext", "RecipeError", "RecipeSpec", "apply_recipe", "check_coverage", "coshard",
+    "dp", "hybrid", "list_recipes", "load_recipe", "sp", "tp", "zero1", "zero3",
 ]

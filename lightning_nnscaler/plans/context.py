@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_nnscaler.plans.layout import RecipeLayout
+
 ZERO_STAGES = (0, 1, 3)
 
 
@@ -13,6 +15,9 @@ class PlanContext:
 
     world_size: int
     """Number of devices (ranks); every op must end up on one of ``0..world_size-1``."""
+    layout: RecipeLayout | None = None
+    """What the recipe's layout function promised for this run (its device grid); None when the
+    recipe is called directly, not through ``apply_recipe``."""
     zero_stage: int = 0
     """ZeRO sharding over the data-parallel group, a runtime option a recipe may set: 0 = none,
     1 = optimizer state sharded, 3 = optimizer state and parameters sharded."""

@@ -3,8 +3,11 @@ shard at a time, each shard recomputed in backward, so only one shard's activati
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.plans.context import PlanContext
+from lightning_nnscaler.plans.layout import DeviceGrid, RecipeLayout
 from lightning_nnscaler.plans.megatron_tp import tensor_parallel
 from lightning_nnscaler.plans.propagate import place
 from lightning_nnscaler.plans.recompute import op_recompute
@@ -28,3 +31,11 @@ def coshard(graph: Graph, ctx: PlanContext, *, shards: int = 4, recompute: bool 
             for pieces in run:
                 for index, piece in enumerate(pieces):
                     op_recompute(graph, piece, stretch * parts + index)
+
+
+def coshard_layout(world_size: int, params: dict[str, Any]) -> RecipeLayout:
+    """One replica over every rank; heads cut in ``shards × world_size`` pieces."""
+    shards = params["shards"]
+    if shards < 1:
+        raise ValueError(f"coshard: shards ({shards}) must be at least 1")
+    return RecipeLayout(DeviceGrid.of(tp=world_size), shards * world_size, f"shards={shards} × {world_size} devices")

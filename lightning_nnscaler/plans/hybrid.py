@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.plans.context import PlanContext
+from lightning_nnscaler.plans.layout import DeviceGrid, RecipeLayout
 from lightning_nnscaler.plans.dp import split_batch
 from lightning_nnscaler.plans.megatron_tp import megatron_choice, tensor_parallel
 from lightning_nnscaler.plans.propagate import place
@@ -22,3 +25,11 @@ def hybrid(graph: Graph, ctx: PlanContext, *, dp: int, tp: int) -> None:
     for replica in range(dp):
         region = [pieces[replica].name for pieces in replicas]
         place(graph, tensor_parallel(graph, tp, region, choose), range(replica * tp, (replica + 1) * tp))
+
+
+def hybrid_layout(world_size: int, params: dict[str, Any]) -> RecipeLayout:
+    """``dp`` replicas of ``tp`` consecutive ranks; heads cut in ``tp``."""
+    dp, tp = params["dp"], params["tp"]
+    if dp < 1 or tp < 1 or dp * tp != world_size:
+        raise ValueError(f"hybrid: dp ({dp}) × tp ({tp}) = {dp * tp} must equal world_size ({world_size})")
+    return RecipeLayout(DeviceGrid.of(dp=dp, tp=tp), tp, f"tp={tp}")

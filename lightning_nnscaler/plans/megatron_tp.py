@@ -10,16 +10,21 @@ vocabulary or class, since the cross-entropy after it needs whole logits anyway:
 unless its input arrives split (an MLP ``Linear -> act -> Linear`` ending in a classifier loss),
 then it is that pair's row-split linear, whose all-reduced output is whole logits again. Convs,
 pools and other non-linears start no split: a conv stem before such an MLP stays replicated, so
-that the MLP, not the conv, is the column/row pair.
+that the MLP, not the conv, is the column/row pair. Where the parts do not divide a dim the split
+needs (4 heads into 3, an FFN of 128 into 3), the op is left whole and the walk records a refusal:
+``parallelize`` then raises (or warns, with ``allow_partial``), see ``plans.coverage``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from collections.abc import Sequence
 
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.plans.context import PlanContext
+from lightning_nnscaler.plans.layout import DeviceGrid, RecipeLayout
 from lightning_nnscaler.plans.propagate import Choose, Walk, place, propagate
 
 LINEAR = "aten.linear.default"
@@ -73,3 +78,12 @@ def final_linears(graph: Graph) -> set[str]:
         if downstream or op.target == LINEAR:
             feeds_linear.update(piece.name for piece in op.tensor_inputs)
     return final
+
+
+def tp_layout(world_size: int, params: dict[str, Any]) -> RecipeLayout:
+    """``world_size // degree`` data-parallel replicas of ``degree`` consecutive ranks; heads cut in ``degree``."""
+    degree = params["degree"] or world_size
+    if degree < 1 or world_size % degree:
+        raise ValueError(f"tp: degree ({degree!r}) must be a positive divisor of world_size ({world_size})")
+    reason = f"degree={params['degree']}" if params["degree"] else f"degree=None: all {world_size} devices"
+    return RecipeLayout(DeviceGrid.of(dp=world_size // degree, tp=degree), degree, reason)

@@ -14,11 +14,19 @@ the outputs value-partial: the walk stops there (materialization will add the re
 Placement: piece ``j`` of ``p`` goes to ``devices[j * len(devices) // p]``, so with
 ``p = shards * len(devices)`` each device gets ``shards`` consecutive pieces; ops the walk left
 whole are replicated, one copy per device of the group.
+
+Refusals: when ``choose`` picks a name that the op may split but ``parts`` does not divide its
+size (4 heads into 3 parts), the op is left whole and the walk records a `Refusal`: the plan is
+weaker than the recipe meant. ``recording_refusals()`` collects the refusals of every walk run
+inside it, so that a caller of an unchanged recipe function (``parallelize``) can refuse or warn
+(``plans.coverage``); a name the op's annotation forbids splitting is the recipe's design, no refusal.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from lightning_nnscaler.ir.annotation import AnnotationError
@@ -31,6 +39,39 @@ Choose = Callable[[Op, list[str]], "str | None"]
 ``offered`` lists the names (in input order, each once) at which split inputs arrive."""
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """An op a walk meant to split by ``dim`` into ``parts`` pieces but left whole: ``parts`` does not divide ``size``."""
+
+    op: str
+    """The op of the captured graph (``Op.source_name``)."""
+    target: str
+    """Its operator, e.g. ``"aten.linear.default"``."""
+    dim: str
+    """The annotation name it was to be split by (``n``: a linear's output features)."""
+    size: int
+    """The size of that dim."""
+    parts: int
+    """The pieces asked for."""
+
+    def __str__(self) -> str:
+        return f"op {self.op!r} ({self.target}): dim {self.dim!r} has size {self.size}, which {self.parts} parts do not divide"
+
+
+_RECORDERS: ContextVar[tuple[list[Refusal], ...]] = ContextVar("lightning_nnscaler_refusals", default=())
+
+
+@contextmanager
+def recording_refusals() -> Iterator[list[Refusal]]:
+    """Collect the refusals of every walk run inside the block (nested blocks each get them all)."""
+    refusals: list[Refusal] = []
+    token = _RECORDERS.set(_RECORDERS.get() + (refusals,))
+    try:
+        yield refusals
+    finally:
+        _RECORDERS.reset(token)
+
+
 def follow(op: Op, offered: list[str]) -> str | None:
     """The default choice: split by the first name a split input offers."""
     return offered[0] if offered else None
@@ -41,6 +82,8 @@ class Walk:
     """The ops a walk visited, in graph order, each with its pieces (``None``: left whole)."""
 
     steps: list[tuple[Op, list[Op] | None]] = field(default_factory=list)
+    refused: list[Refusal] = field(default_factory=list)
+    """Ops left whole although ``choose`` picked a name for them, because ``parts`` does not divide it."""
 
     @property
     def split(self) -> list[list[Op]]:
@@ -85,7 +128,8 @@ def propagate(
         through_value: Let value-partial tensors split the ops linear in them by value.
 
     Returns:
-        The walk: each visited op with its pieces or ``None``.
+        The walk: each visited op with its pieces or ``None``, and its refusals (also handed to
+        every active ``recording_refusals`` block).
     """
     index_splits = dict(seeds or {})  # tensor name -> dim cut into `parts`
     value_splits: set[str] = set()  # tensors held as `parts` partial sums
@@ -101,20 +145,38 @@ def propagate(
             value_splits.update(output.name for output in op.outputs)
         else:
             pieces = None
+            refused = None if chosen is None else refusal(op, chosen, parts)
+            if refused is not None:
+                walk.refused.append(refused)
         walk.steps.append((op, pieces))
+    for recorder in _RECORDERS.get():
+        recorder.extend(walk.refused)
     return walk
 
 
 def can_split(op: Op, name: str, parts: int) -> bool:
     """Whether ``op_trans(graph, op, name, parts)`` is allowed: a splittable name that ``parts`` divides."""
+    size = _splittable_size(op, name)
+    return size is not None and size % parts == 0
+
+
+def refusal(op: Op, name: str, parts: int) -> Refusal | None:
+    """The refusal to split ``op`` by ``name`` into ``parts``: ``None`` unless it is a splittable name
+    whose size ``parts`` does not divide (a name the annotation forbids is no refusal: the op's design)."""
+    size = _splittable_size(op, name)
+    return None if size is None or size % parts == 0 else Refusal(op.source_name, op.target, name, size, parts)
+
+
+def _splittable_size(op: Op, name: str) -> int | None:
+    """The size of dim ``name`` of ``op``, ``None`` when its annotation does not let it be split."""
     annotation = op.dims
     if annotation is None or name not in annotation.splittable_names():
-        return False
+        return None
     try:
         sizes = annotation.name_sizes([piece.shape for piece in op.tensor_inputs], [piece.shape for piece in op.outputs])
     except AnnotationError:
-        return False
-    return name in sizes and sizes[name] % parts == 0
+        return None
+    return sizes.get(name)
 
 
 def place(graph: Graph, walk: Walk, devices: Sequence[int]) -> None:

@@ -3,9 +3,12 @@ replicate between the linears (LayerNorm, dropout, residual adds) split along th
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.plans.context import PlanContext
+from lightning_nnscaler.plans.layout import DeviceGrid, RecipeLayout
 from lightning_nnscaler.plans.megatron_tp import LINEAR, megatron_choice, tensor_parallel
 from lightning_nnscaler.plans.propagate import place
 
@@ -38,3 +41,8 @@ def sequence_name(op: Op, lengths: set[int]) -> str | None:
         if len(output.shape) >= 3 and output.shape[1] in lengths and spec[1].names:
             return spec[1].names[0]
     return None
+
+
+def sp_layout(world_size: int, params: dict[str, Any]) -> RecipeLayout:
+    """One replica over every rank; heads cut in ``world_size`` pieces."""
+    return RecipeLayout(DeviceGrid.of(tp=world_size), world_size, f"all {world_size} devices")

@@ -6,24 +6,22 @@ the materialized program; the generated module does the step itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
-from typing import Any
 
 import torch
 
+from lightning_nnscaler.ir.box import Box, PieceLocation, region
 from lightning_nnscaler.runtime import autograd_comm as comm
-from lightning_nnscaler.runtime.comm import AsyncHandle
-from lightning_nnscaler.materialize.program import Box
+from lightning_nnscaler.runtime.comm import AsyncHandle, Communicator
 from lightning_nnscaler.runtime.reducer import GradientReducer
 
 
 @dataclass(frozen=True)
 class Shard:
-    """A box of a parameter (or buffer) that this rank holds."""
+    """A box of a parameter (or buffer) that this rank holds, and its values."""
 
-    state_key: str
-    box: Box
+    location: PieceLocation
     tensor: torch.Tensor
 
 
@@ -31,19 +29,11 @@ class Shard:
 class Piece:
     """A tensor this rank's optimizer updates, and where it lies in its full parameter."""
 
+    location: PieceLocation
+    """A box of the parameter, or under ZeRO the chunk of one that this rank owns."""
     tensor: torch.nn.Parameter
-    state_key: str
-    box: Box
-    """The box of the parameter this piece is (or, under ZeRO, was cut from)."""
-    chunk: tuple[int, int] | None
-    """ZeRO only: ``(index, size)``: elements ``[index * size, (index + 1) * size)`` of the box
-    flattened and zero-padded (``runtime.reducer``'s layout)."""
     replicas: int
     """How many ranks hold this same piece (and, after backward, the same summed gradient)."""
-
-
-def _region(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(start, stop) for start, stop in box)
 
 
 class RankExecutor:
@@ -56,6 +46,8 @@ class RankExecutor:
         constants: Values of the graph's lifted constants.
         communicator: The rank's communicator.
         device: Where the pieces live.
+        input_offsets: Per batch input, the row of the whole batch where the inputs this rank is
+            given start (its data-parallel replica's share); 0 when it is given the whole batch.
     """
 
     def __init__(
@@ -64,8 +56,9 @@ class RankExecutor:
         rank: int,
         state: dict[str, torch.Tensor],
         constants: dict[str, torch.Tensor],
-        communicator: Any,
+        communicator: Communicator,
         device: torch.device | str = "cpu",
+        input_offsets: dict[str, int] | None = None,
     ) -> None:
         if (module.RANK, module.WORLD_SIZE) != (rank, communicator.world_size):
             raise ValueError(
@@ -82,19 +75,21 @@ class RankExecutor:
         self.input_boxes: dict[str, tuple[str, Box]] = {}
         self.shards: dict[str, Shard] = {}
         for var, (name, state_key, box, role) in module.HELD.items():
-            if role == "input":
-                self.input_boxes[var] = (name, box)
+            if role == "input":  # rows counted from the first row this rank's replica loads
+                offset = (input_offsets or {}).get(name, 0)
+                self.input_boxes[var] = (name, ((box[0][0] - offset, box[0][1] - offset), *box[1:]) if offset else box)
             elif role == "constant":
-                self.held[var] = constants[name][_region(box)].to(self.device)
+                self.held[var] = constants[name][region(box)].to(self.device)
             else:
+                location = PieceLocation(state_key, box)
                 source = state[state_key]
-                piece = source.detach()[_region(box)].clone().to(self.device)
+                piece = location.take(source.detach()).to(self.device)
                 if role == "parameter" and source.requires_grad:
                     piece = torch.nn.Parameter(piece)
                 self.held[var] = piece
-                self.shards[var] = Shard(state_key, box, piece)
-        by_box = {(shard.state_key, shard.box): shard.tensor for shard in self.shards.values()}
-        replicated = [(by_box[(key, box)], ranks) for key, box, ranks in module.GRADIENT_GROUPS]
+                self.shards[var] = Shard(location, piece)
+        by_location = {shard.location: shard.tensor for shard in self.shards.values()}
+        replicated = [(by_location[PieceLocation(key, box)], ranks) for key, box, ranks in module.GRADIENT_GROUPS]
         self.reducer = GradientReducer(replicated, communicator, rank, getattr(module, "ZERO_STAGE", 0))
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -104,18 +99,18 @@ class RankExecutor:
 
     def pieces(self) -> list[Piece]:
         """What this rank's optimizer updates (``parameters()``), each with its place in the full model."""
-        replicas = {(key, tuple(map(tuple, box))): len(ranks) for key, box, ranks in self.module.GRADIENT_GROUPS}
+        replicas = {PieceLocation(key, box): len(ranks) for key, box, ranks in self.module.GRADIENT_GROUPS}
         by_tensor = {id(shard.tensor): shard for shard in self.shards.values()}
         chunks = {id(owned.chunk): owned for owned in self.reducer.owned}
         pieces = []
         for tensor in self.parameters():
             if id(tensor) in chunks:
                 owned = chunks[id(tensor)]
-                shard = by_tensor[id(owned.box)]
-                pieces.append(Piece(tensor, shard.state_key, shard.box, (owned.ranks.index(self.rank), tensor.numel()), 1))
+                location = replace(by_tensor[id(owned.box)].location, chunk=(owned.ranks.index(self.rank), tensor.numel()))
+                pieces.append(Piece(location, tensor, 1))
             else:
-                shard = by_tensor[id(tensor)]
-                pieces.append(Piece(tensor, shard.state_key, shard.box, None, replicas.get((shard.state_key, tuple(map(tuple, shard.box))), 1)))
+                location = by_tensor[id(tensor)].location
+                pieces.append(Piece(location, tensor, replicas.get(location, 1)))
         return pieces
 
     def after_optimizer_step(self) -> None:
@@ -129,14 +124,14 @@ class RankExecutor:
         for var, shard in self.shards.items():
             grad = gathered.get(id(shard.tensor), shard.tensor.grad)
             if isinstance(shard.tensor, torch.nn.Parameter) and grad is not None:
-                result[var] = (shard.state_key, shard.box, grad.detach().clone())
+                result[var] = (shard.location.state_key, shard.location.box, grad.detach().clone())
         return result
 
     def full_shards(self) -> dict[str, Shard]:
         """This rank's boxes with their current values (under ZeRO-3, gathered for the occasion)."""
         if self.reducer.zero_stage == 3:
             self.reducer.gather_boxes()
-        shards = {var: Shard(shard.state_key, shard.box, shard.tensor.detach().clone()) for var, shard in self.shards.items()}
+        shards = {var: Shard(shard.location, shard.tensor.detach().clone()) for var, shard in self.shards.items()}
         if self.reducer.zero_stage == 3:
             self.reducer.release_boxes()
         return shards
@@ -150,7 +145,8 @@ class RankExecutor:
         the ranks while backward runs (an asynchronous sum, waited for at the end).
 
         Args:
-            inputs: The full batch by graph input name; each rank slices the box it needs.
+            inputs: The batch by graph input name (the rank's replica's share, see ``input_offsets``);
+                each rank slices the box it needs.
             backward: False to run forward only (evaluation).
             loss_scale: The gradients are those of ``loss * loss_scale`` (Lightning divides the loss
                 by ``accumulate_grad_batches``; fp16 loss scaling multiplies it by a scale tensor,
@@ -162,7 +158,7 @@ class RankExecutor:
             self.reducer.before_forward()
         held = dict(self.held)
         for var, (name, box) in self.input_boxes.items():
-            held[var] = inputs[name][_region(box)].to(self.device)
+            held[var] = inputs[name][region(box)].to(self.device)
         token = torch.zeros((), device=self.device, requires_grad=backward)
         with torch.set_grad_enabled(backward):
             outputs, token = self.module.forward(held, self.communicator, token)
@@ -192,8 +188,9 @@ def merge_shards(per_rank: list[dict[str, Shard]], shapes: dict[str, tuple[int, 
     merged: dict[str, torch.Tensor] = {}
     for shards in per_rank:
         for shard in shards.values():
-            whole = merged.setdefault(shard.state_key, torch.zeros(shapes[shard.state_key], dtype=shard.tensor.dtype))
-            whole[_region(shard.box)] = shard.tensor.detach().cpu()
+            key = shard.location.state_key
+            whole = merged.setdefault(key, torch.zeros(shapes[key], dtype=shard.tensor.dtype))
+            whole[shard.location.region()] = shard.tensor.detach().cpu()
     return merged
 
 
@@ -203,5 +200,5 @@ def merge_gradients(per_rank: list[dict[str, tuple[str, Box, torch.Tensor]]], sh
     for gradients in per_rank:
         for state_key, box, grad in gradients.values():
             whole = merged.setdefault(state_key, torch.zeros(shapes[state_key], dtype=grad.dtype))
-            whole[_region(box)] = grad.cpu()
+            whole[region(box)] = grad.cpu()
     return merged

@@ -38,9 +38,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
+
+from lightning_nnscaler.runtime.comm import AsyncHandle, Communicator
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
 
@@ -68,7 +70,7 @@ class _Bucket:
     turn: int = 0  # the buffer of the current (or last) reducing backward
     arrived: set[int] = field(default_factory=set)  # ids of the boxes whose gradient this step has
     carried: dict[int, torch.Tensor] = field(default_factory=dict)  # id(box) -> an earlier sum to add back
-    handle: Any = None  # the all_reduce_async in flight, once started
+    handle: AsyncHandle | None = None  # the all_reduce_async in flight, once started
 
 
 @dataclass
@@ -101,7 +103,7 @@ class GradientReducer:
     """
 
     def __init__(
-        self, replicated: list[tuple[torch.nn.Parameter, tuple[int, ...]]], communicator: Any, rank: int, zero_stage: int = 0,
+        self, replicated: list[tuple[torch.nn.Parameter, tuple[int, ...]]], communicator: Communicator, rank: int, zero_stage: int = 0,
         bucket_bytes: int | None = None,
     ) -> None:
         if zero_stage not in (0, 1, 3):
@@ -120,7 +122,7 @@ class GradientReducer:
         self.started_buckets: list[tuple[tuple[int, ...], int, bool]] = []
         self._step_open = False  # a bucket of this step has started (started_buckets is this step's)
         self._reducing = True  # this backward sums (False: DDP's no_sync)
-        self._hooks: list[Any] = []
+        self._hooks: list[RemovableHandle] = []
         if not zero_stage:
             self._assign_buckets(BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
 

@@ -23,21 +23,21 @@ import torch
 from torch import nn
 
 from lightning_nnscaler.checkpoint import (
-    COMMON, CheckpointError, PieceLocation, commit, full_box, partial_directory, rank_file_name, rank_payload, write_atomically,
+    COMMON, CheckpointError, commit, partial_directory, rank_file_name, rank_payload, write_atomically,
 )
+from lightning_nnscaler.ir.box import PieceLocation, full_box
 from lightning_nnscaler.runtime.executor import RankExecutor
-from lightning_nnscaler.strategy.gradients import PieceOf
 
 _Entry = tuple[Any, ...]  # a piece's identity: ("model", location) or ("optimizer", index, location)
 
 
-def copy_pieces_into(module: nn.Module, gathered: list[list[tuple[str, Any, torch.Tensor]]]) -> None:
-    """Write every rank's ``(state_dict key, box, values)`` pieces into ``module``'s parameters and buffers."""
+def copy_pieces_into(module: nn.Module, gathered: list[list[tuple[PieceLocation, torch.Tensor]]]) -> None:
+    """Write every rank's ``(location, values)`` pieces (boxes, not ZeRO chunks) into ``module``'s parameters and buffers."""
     targets = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
     with torch.no_grad():
         for pieces in gathered:
-            for state_key, box, values in pieces:
-                targets[state_key][tuple(slice(start, stop) for start, stop in box)].copy_(values)
+            for location, values in pieces:
+                targets[location.state_key][location.region()].copy_(values)
 
 
 def tied_key_groups(module: nn.Module) -> list[list[str]]:
@@ -76,11 +76,11 @@ def held_model_pieces(executor: Optional[RankExecutor]) -> list[tuple[PieceLocat
     """This rank's parameter and buffer boxes with their current values (ZeRO-3 gathers them: a collective)."""
     if executor is None:
         return []
-    return [(PieceLocation(shard.state_key, tuple(map(tuple, shard.box))), shard.tensor) for shard in executor.full_shards().values()]
+    return [(shard.location, shard.tensor) for shard in executor.full_shards().values()]
 
 
 def held_optimizer_pieces(
-    optimizer: torch.optim.Optimizer, locations: dict[int, PieceOf], module: nn.Module
+    optimizer: torch.optim.Optimizer, locations: dict[int, PieceLocation], module: nn.Module
 ) -> list[tuple[PieceLocation, dict[str, Any]]]:
     """The optimizer state of each piece it updates. ``locations`` is empty before planning, when the
     optimizer still updates the full module's parameters."""
@@ -91,11 +91,7 @@ def held_optimizer_pieces(
             state = optimizer.state.get(parameter)
             if not state:
                 continue
-            where = locations.get(id(parameter))
-            location = (
-                PieceLocation(where.state_key, where.box, where.chunk) if where is not None
-                else PieceLocation(key_of[id(parameter)], full_box(parameter.shape))
-            )
+            location = locations.get(id(parameter)) or PieceLocation(key_of[id(parameter)], full_box(parameter.shape))
             pieces.append((location, state))
     return pieces
 

@@ -15,40 +15,18 @@ belongs to and how many ranks hold the same box, so that
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
+from lightning_nnscaler.ir.box import PieceLocation
 from lightning_nnscaler.runtime.executor import RankExecutor
 
 
-@dataclass(frozen=True)
-class PieceOf:
-    """Where a piece the optimizer updates lies in its full parameter."""
-
-    state_key: str
-    """The parameter's state_dict key."""
-    box: tuple[tuple[int, int], ...]
-    """The box of the parameter this piece is (or, under ZeRO, was cut from)."""
-    chunk: tuple[int, int] | None = None
-    """ZeRO only: ``(index, size)``: elements ``[index * size, (index + 1) * size)`` of the box
-    flattened and zero-padded (``runtime.reducer``'s layout)."""
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This piece of ``full``, a tensor of the whole parameter's shape (a copy)."""
-        region = full[tuple(slice(start, stop) for start, stop in self.box)]
-        if self.chunk is None:
-            return region.clone()
-        index, size = self.chunk
-        flat = torch.nn.functional.pad(region.reshape(-1), (0, max(0, (index + 1) * size - region.numel())))
-        return flat[index * size : (index + 1) * size].clone()
-
-
-def piece_locations(executor: RankExecutor) -> dict[int, PieceOf]:
+def piece_locations(executor: RankExecutor) -> dict[int, PieceLocation]:
     """Where each piece the optimizer updates lies, by ``id(piece)``."""
-    return {id(piece.tensor): PieceOf(piece.state_key, tuple(map(tuple, piece.box)), piece.chunk) for piece in executor.pieces()}
+    return {id(piece.tensor): piece.location for piece in executor.pieces()}
 
 
 def replica_counts(executor: RankExecutor) -> dict[int, int]:
@@ -105,7 +83,7 @@ def move_param_groups(optimizer: torch.optim.Optimizer, module: nn.Module, execu
     return group_keys
 
 
-def _cut_state(full_state: dict[str, Any], shape: torch.Size, location: PieceOf) -> dict[str, Any]:
+def _cut_state(full_state: dict[str, Any], shape: torch.Size, location: PieceLocation) -> dict[str, Any]:
     """A piece's optimizer state from the whole parameter's: elementwise tensors are cut, the rest copied."""
     return {
         name: location.take(value) if isinstance(value, torch.Tensor) and value.dim() and value.shape == shape

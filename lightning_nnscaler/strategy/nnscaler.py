@@ -30,9 +30,12 @@ step happens:
   ``ShardedGradScaler`` (an overflow on any rank skips the step on all). Norm clipping uses the
   global norm over all ranks' pieces (``_clip_grad_by_norm``).
 
-Data: the generated code slices each rank's share out of the *global* batch, so every rank loads
-the same batches: ``distributed_sampler_kwargs`` is ``num_replicas=1, rank=0`` and the
-DataLoader's ``batch_size`` is the global batch size (what a DDP run spreads over its ranks).
+Data, as under ``ddp`` / ``fsdp`` / ``ModelParallelStrategy``: the DataLoader's ``batch_size`` is per
+data-parallel replica. The recipe's layout (``plans.layout``, known before tracing) says how many
+replicas the plan has and which one each rank belongs to; ``distributed_sampler_kwargs`` describe
+that group, so ranks of one replica (tensor-, sequence-parallel, co-shard pieces) load the same
+samples and no rank loads samples it throws away. The step is planned for the whole batch of all
+replicas; each rank's generated code reads its pieces out of its replica's batch.
 """
 
 from __future__ import annotations
@@ -63,8 +66,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nnscaler.codegen import module_from_source
+from lightning_nnscaler.ir.box import PieceLocation
 from lightning_nnscaler.parallelize import Plan
-from lightning_nnscaler.plans.catalog import list_recipes
+from lightning_nnscaler.plans.catalog import on_register
 from lightning_nnscaler.runtime import TorchDistributedCommunicator
 from lightning_nnscaler.runtime.executor import RankExecutor
 from lightning_nnscaler import checkpoint as sharded_checkpoint
@@ -72,10 +76,11 @@ from lightning_nnscaler.strategy.checkpoint import (
     copy_pieces_into, group_keys_of, held_model_pieces, held_optimizer_pieces, save_sharded, single_device_param_groups,
 )
 from lightning_nnscaler.strategy.gradients import (
-    GradientStash, PieceOf, clip_grad_norm, gradient_holders, move_param_groups, piece_locations, replica_counts,
+    GradientStash, clip_grad_norm, gradient_holders, move_param_groups, piece_locations, replica_counts,
 )
 from lightning_nnscaler.strategy.plan_logging import log_plan, record_loss_logs
-from lightning_nnscaler.strategy.planning import check_recipe, check_supported, graph_inputs, plan_training_step
+from lightning_nnscaler.plans.layout import RecipeLayout
+from lightning_nnscaler.strategy.planning import check_fits, check_recipe, check_supported, graph_inputs, plan_training_step
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
@@ -98,6 +103,9 @@ class NnScalerStrategy(ParallelStrategy):
         timeout: Seconds any collective may wait before it fails (a dead rank fails the run).
         start_method: ``"popen"`` runs the script once per device (like ``strategy="ddp"``);
             ``"spawn"``/``"fork"`` use Lightning's multiprocessing launcher.
+        allow_partial: Accept a plan that leaves whole (replicated) some ops the recipe means to
+            split, e.g. attention whose heads its pieces do not divide, with a ``PartialPlanWarning``
+            saying how much of the model was split. By default such a recipe is refused at setup.
         **recipe_params: The recipe's parameters, e.g. ``degree=2`` for tp.
 
     Raises:
@@ -114,6 +122,7 @@ class NnScalerStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         timeout: float = 60.0,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        allow_partial: bool = False,
         **recipe_params: Any,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
@@ -123,6 +132,7 @@ class NnScalerStrategy(ParallelStrategy):
         self.recipe = recipe
         self.recipe_params = dict(recipe_params)
         self.timeout = timeout
+        self.allow_partial = allow_partial
         self._start_method = start_method
         self._num_nodes = 1
         self.plan: Optional[Plan] = None
@@ -131,8 +141,9 @@ class NnScalerStrategy(ParallelStrategy):
         self._replicas: dict[int, int] = {}
         self._loss_logs: list[tuple[str, dict[str, Any]]] = []
         self._group_keys: list[list[list[str]]] = []
-        self._locations: dict[int, PieceOf] = {}
+        self._locations: dict[int, PieceLocation] = {}
         self._module_is_stale = False
+        self._layout: Optional[RecipeLayout] = None
 
     # --- devices, ranks, launch ----------------------------------------------------------------
 
@@ -165,11 +176,24 @@ class NnScalerStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every rank loads the same global batches (the generated code slices each rank's share).
+        """The recipe's data-parallel group: ``num_replicas`` replicas, this rank's replica index.
 
-        The sampler still shuffles with Lightning's seed, alike on every rank.
+        Ranks of one replica get the same samples (the sampler shuffles with Lightning's seed, alike on every rank).
         """
-        return {"num_replicas": 1, "rank": 0}
+        layout = self.layout
+        return {"num_replicas": layout.data_parallel, "rank": layout.replica(self.global_rank)}
+
+    @property
+    def layout(self) -> RecipeLayout:
+        """The recipe's layout over this run's ranks (device grid, data-parallel replicas, head pieces).
+
+        Raises:
+            MisconfigurationException: the recipe's parameters do not fit the world size.
+        """
+        if self._layout is None or self._layout.grid.size != self.world_size:
+            module = self.lightning_module if self.lightning_module is not None else torch.nn.Module()
+            self._layout = check_fits(module, self.recipe, self.recipe_params, self.world_size, allow_partial=self.allow_partial)
+        return self._layout
 
     @override
     def _configure_launcher(self) -> None:
@@ -209,7 +233,9 @@ class NnScalerStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             assert self.lightning_module is not None
-            check_supported(self.lightning_module, self.recipe, self.recipe_params, self.world_size)
+            self._layout = check_supported(
+                self.lightning_module, self.recipe, self.recipe_params, self.world_size, allow_partial=self.allow_partial
+            )
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._broadcast_module_state()
@@ -261,11 +287,15 @@ class NnScalerStrategy(ParallelStrategy):
         rank, world_size = self.global_rank, self.world_size
         # Traced under the precision's autocast, as it will run: the plan's dtypes are what the step computes.
         with self.precision_plugin.train_step_context():
-            plan = plan_training_step(module, batch, self.recipe, self.recipe_params, world_size, self._all_gather_objects)
+            plan = plan_training_step(
+                module, batch, self.recipe, self.recipe_params, world_size, self._all_gather_objects, allow_partial=self.allow_partial
+            )
         code = module_from_source(plan.sources[rank], f"nnscaler_rank{rank}_{plan.plan_hash[:12]}")
         state = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
         communicator = TorchDistributedCommunicator(timeout=self.timeout)
-        self.executor = RankExecutor(code, rank, state, plan.graph.constant_values, communicator, self.root_device)
+        self.executor = RankExecutor(
+            code, rank, state, plan.graph.constant_values, communicator, self.root_device, input_offsets=plan.input_offsets(rank)
+        )
         self.plan = plan
         self._group_keys = [move_param_groups(optimizer, module, self.executor) for optimizer in self.optimizers]
         self._locations = piece_locations(self.executor)
@@ -285,6 +315,7 @@ class NnScalerStrategy(ParallelStrategy):
         accumulation window only (DDP's ``no_sync`` on the others).
         """
         assert self.lightning_module is not None and self.plan is not None and self._gradient_stash is not None
+        self.plan.step_values.check(self.lightning_module)  # a plain attribute the traced step read must not change
         batch = kwargs.get("batch", args[0] if args else None)
         batch_idx = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
         trainer = self.lightning_module.trainer
@@ -341,7 +372,7 @@ class NnScalerStrategy(ParallelStrategy):
         if self.executor is None or not self._module_is_stale:
             return
         assert self.lightning_module is not None
-        pieces = [(shard.state_key, shard.box, shard.tensor.cpu()) for shard in self.executor.full_shards().values()]
+        pieces = [(shard.location, shard.tensor.cpu()) for shard in self.executor.full_shards().values()]
         copy_pieces_into(self.lightning_module, self._all_gather_objects(pieces))
         self._module_is_stale = False
 
@@ -475,7 +506,8 @@ class NnScalerStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register ``"nnscaler"`` (dp), ``"nnscaler_spawn"`` (dp, spawn launcher) and ``"nnscaler_<recipe>"`` per catalog recipe."""
+        """Register ``"nnscaler"`` (dp), ``"nnscaler_spawn"`` (dp, spawn launcher) and ``"nnscaler_<recipe>"`` per
+        catalog recipe, including those registered later with ``lightning_nnscaler.register_recipe``."""
         strategy_registry.register(
             "nnscaler", cls, description="nnScaler strategy with the default recipe (dp)", override=True, recipe="dp"
         )
@@ -483,8 +515,7 @@ class NnScalerStrategy(ParallelStrategy):
             "nnscaler_spawn", cls, description="nnScaler strategy (dp) with start_method 'spawn'", override=True,
             recipe="dp", start_method="spawn",
         )
-        for spec in list_recipes():
-            strategy_registry.register(
-                f"nnscaler_{spec.name}", cls, description=f"nnScaler strategy, recipe {spec.name}: {spec.summary}",
-                override=True, recipe=spec.name,
-            )
+        on_register(lambda spec: strategy_registry.register(
+            f"nnscaler_{spec.name}", cls, description=f"nnScaler strategy, recipe {spec.name}: {spec.summary}",
+            override=True, recipe=spec.name,
+        ))  # catalog recipes now, recipes registered with `register_recipe` later

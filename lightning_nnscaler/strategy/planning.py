@@ -7,13 +7,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch.utils import _pytree as pytree
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_nnscaler.capture import flatten_inputs
+from lightning_nnscaler.capture import CaptureError, flatten_inputs
 from lightning_nnscaler.parallelize import Plan, parallelize
-from lightning_nnscaler.ir.graph import Graph
-from lightning_nnscaler.plans.catalog import RecipeError, apply_recipe, load_recipe
+from lightning_nnscaler.plans.catalog import RecipeError, load_recipe
+from lightning_nnscaler.plans.layout import RecipeLayout
 
 
 def check_recipe(recipe: str, params: dict[str, Any]) -> None:
@@ -43,24 +44,33 @@ def _usage_example(recipe: str) -> str:
 
 def plan_training_step(
     module: LightningModule, batch: Any, recipe: str, params: dict[str, Any], world_size: int,
-    gather: Callable[[Any], list[Any]],
+    gather: Callable[[Any], list[Any]], *, allow_partial: bool = False,
 ) -> Plan:
-    """Trace ``module.training_step`` on ``batch`` and plan it with ``recipe`` for ``world_size`` ranks.
+    """Trace ``module.training_step`` on the whole batch of ``batch``'s shapes and plan it with ``recipe``
+    for ``world_size`` ranks.
 
-    Every rank calls this with the same batch and gets the same plan (planning is deterministic);
-    ``gather`` (a collective) compares the plan hashes, so no rank runs code another did not plan.
+    ``batch`` is this rank's data-parallel replica's batch; the step is traced on a whole batch of
+    ``replicas × batch`` rows (``whole_batch``), so every rank plans the same program whatever its
+    samples (planning is deterministic); ``gather`` (a collective) compares the plan hashes, so no
+    rank runs code another did not plan.
 
     Raises:
         MisconfigurationException: the step cannot be traced or the recipe cannot plan it (the
             cause is chained and quoted), or the ranks planned different programs.
     """
+    replicas = load_recipe(recipe).layout(world_size, params).data_parallel
     try:
-        plan = parallelize(module, batch, recipe, world_size, step="training_step", **params)
+        plan = parallelize(
+            module, whole_batch(batch, replicas), recipe, world_size, step="training_step", allow_partial=allow_partial, **params
+        )
     except Exception as error:  # noqa: BLE001 - every planning failure gets the recipe and the fix
+        hint = "" if isinstance(error, CaptureError) else (  # a capture error says its own fix
+            "\nCheck the recipe's constraints (`lightning_nnscaler.list_recipes()`), the DataLoader's batch_size "
+            "(per data-parallel replica) and `devices`."
+        )
         raise MisconfigurationException(
             f"NnScalerStrategy could not plan {type(module).__name__}.training_step with recipe {recipe!r} {params} on "
-            f"{world_size} ranks: {error}\nCheck the recipe's constraints (`lightning_nnscaler.list_recipes()`), the "
-            "global batch size (the DataLoader's batch_size) and `devices`."
+            f"{world_size} ranks: {error}{hint}"
         ) from error
     hashes = gather(plan.plan_hash)
     if len(set(hashes)) > 1:
@@ -72,7 +82,9 @@ def plan_training_step(
     return plan
 
 
-def check_supported(module: LightningModule, recipe: str, params: dict[str, Any], world_size: int) -> None:
+def check_supported(
+    module: LightningModule, recipe: str, params: dict[str, Any], world_size: int, *, allow_partial: bool = False
+) -> RecipeLayout:
     """Raise for what the strategy cannot run (at setup, before any training).
 
     Raises:
@@ -84,14 +96,18 @@ def check_supported(module: LightningModule, recipe: str, params: dict[str, Any]
             "training_step (forward and backward) itself, so manual optimization is not supported: remove "
             "`self.automatic_optimization = False` and return the loss from training_step."
         )
-    check_fits(module, recipe, params, world_size)
+    return check_fits(module, recipe, params, world_size, allow_partial=allow_partial)
 
 
-def check_fits(module: torch.nn.Module, recipe: str, params: dict[str, Any], world_size: int) -> None:
+def check_fits(
+    module: torch.nn.Module, recipe: str, params: dict[str, Any], world_size: int, *, allow_partial: bool = False
+) -> RecipeLayout:
     """Raise unless the recipe's parameters fit ``world_size`` devices and its tensor-parallel pieces
-    divide every attention layer's heads (the catalog's constraints that need no batch).
+    divide every attention layer's heads (the catalog's constraints that need no batch); with
+    ``allow_partial`` heads may stay whole (planning then warns how much of the model was split).
 
-    The recipe checks its own parameters: it runs on an empty graph (no op to place) for ``world_size``.
+    Returns:
+        The recipe's layout for ``world_size`` ranks (data-parallel replicas, head pieces).
 
     Raises:
         MisconfigurationException: naming the parameter, the device count and the fix.
@@ -99,7 +115,7 @@ def check_fits(module: torch.nn.Module, recipe: str, params: dict[str, Any], wor
     spec = load_recipe(recipe)
     call = f"NnScalerStrategy({', '.join([f'recipe={recipe!r}', *(f'{key}={value!r}' for key, value in params.items())])})"
     try:
-        apply_recipe(Graph(), recipe, world_size, **params)
+        layout = spec.layout(world_size, params)
     except ValueError as error:
         keys = ", ".join(spec.parameters) or "the recipe"
         raise MisconfigurationException(
@@ -107,31 +123,17 @@ def check_fits(module: torch.nn.Module, recipe: str, params: dict[str, Any], wor
             f"Pass {keys} to fit {world_size} devices, or change the Trainer's devices / num_nodes. "
             f"Recipe {recipe!r} needs: {'; '.join(spec.constraints)}."
         ) from error
-    pieces = head_pieces(recipe, {**{key: p.default for key, p in spec.parameters.items()}, **params}, world_size)
-    if pieces is None:
-        return
-    count, reason = pieces
+    if layout.head_pieces is None or allow_partial:
+        return layout
     for name, heads in attention_heads(module):
-        if heads % count:
+        if heads % layout.head_pieces:
             raise MisconfigurationException(
-                f"{call} cuts attention heads into {count} pieces ({reason}), but {type(module).__name__}.{name} has "
-                f"{heads} heads, which {count} does not divide. Pick the recipe's parameters or the Trainer's devices so "
-                f"that the pieces divide {heads} (recipe {recipe!r} needs: {'; '.join(spec.constraints)}), or use recipe='dp'."
+                f"{call} cuts attention heads into {layout.head_pieces} pieces ({layout.head_reason}), but "
+                f"{type(module).__name__}.{name} has {heads} heads, which {layout.head_pieces} does not divide. Pick the "
+                f"recipe's parameters or the Trainer's devices so that the pieces divide {heads} (recipe {recipe!r} needs: "
+                f"{'; '.join(spec.constraints)}), or use recipe='dp', or pass allow_partial=True to keep those heads whole."
             )
-
-
-def head_pieces(recipe: str, params: dict[str, Any], world_size: int) -> tuple[int, str] | None:
-    """Into how many pieces ``recipe`` cuts attention heads, and which setting decides it; None: it keeps them whole."""
-    if recipe == "tp":
-        degree = params["degree"]
-        return (degree, f"degree={degree}") if degree else (world_size, f"degree=None: all {world_size} devices")
-    if recipe == "hybrid":
-        return params["tp"], f"tp={params['tp']}"
-    if recipe == "coshard":
-        return params["shards"] * world_size, f"shards={params['shards']} × {world_size} devices"
-    if recipe == "sp":
-        return world_size, f"all {world_size} devices"
-    return None
+    return layout
 
 
 def attention_heads(module: torch.nn.Module) -> list[tuple[str, int]]:
@@ -145,19 +147,29 @@ def attention_heads(module: torch.nn.Module) -> list[tuple[str, int]]:
     return found
 
 
+def whole_batch(batch: Any, replicas: int) -> Any:
+    """A batch of ``replicas`` times ``batch``'s rows (its tensors repeated along dim 0): the shapes
+    of the batch all data-parallel replicas load together, which the step is planned for."""
+    if replicas == 1:
+        return batch
+    return pytree.tree_map(lambda leaf: torch.cat([leaf] * replicas) if isinstance(leaf, torch.Tensor) and leaf.dim() else leaf, batch)
+
+
 def graph_inputs(plan: Plan, batch: Any) -> dict[str, torch.Tensor]:
-    """The batch's tensors by graph input name.
+    """This replica's batch tensors by graph input name.
 
     Raises:
         MisconfigurationException: the batch's shapes are not the planned ones (the first batch's).
     """
     values = flatten_inputs(batch, step="training_step")
-    expected = plan.graph.user_inputs
+    replicas = plan.data_layout.data_parallel
+    expected = [tuple(tensor.shape) for tensor in plan.graph.user_inputs]
+    local = [(shape[0] // replicas, *shape[1:]) if shape else shape for shape in expected]
     shapes = [tuple(value.shape) for value in values]
-    if shapes != [tuple(tensor.shape) for tensor in expected]:
+    if shapes != local:
         raise MisconfigurationException(
-            f"a training batch has tensor shapes {shapes}, but the step was planned for {[tuple(t.shape) for t in expected]} "
+            f"a training batch has tensor shapes {shapes}, but the step was planned for {local} per data-parallel replica "
             "(the first batch). NnScalerStrategy needs batches of one shape: set drop_last=True on the train DataLoader "
             "and pad sequences to a fixed length."
         )
-    return {tensor.name: value for tensor, value in zip(expected, values)}
+    return {tensor.name: value for tensor, value in zip(plan.graph.user_inputs, values)}

@@ -9,6 +9,7 @@ what the loggers wrote and the loops returned between strategies and with single
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, Mode
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from lightning_runs import GLOBAL_BATCH, ScheduledGPT, TokenDataset  # noqa: E402
+from lightning_runs import GLOBAL_BATCH, ScheduledGPT, TokenDataset, replica_batch_size  # noqa: E402
 from lightning_nnscaler.models.gpt import GPTConfig  # noqa: E402
 
 STEPS_PER_EPOCH = 2
@@ -85,8 +86,7 @@ def features_run(strategy: Any, devices: int, save_dir: Path, *, wandb: bool = F
         metrics, this rank's predictions (logits, in loader order), the final full weights and the
         plan hash (nnscaler only).
     """
-    global_samples = isinstance(strategy, lnn.NnScalerStrategy) or str(strategy).startswith("nnscaler")
-    data = loaders(GLOBAL_BATCH if global_samples else GLOBAL_BATCH // devices)
+    data = loaders(replica_batch_size(strategy, devices))
     early_stopping = EarlyStopping(**EARLY_STOPPING)
     best = ModelCheckpoint(dirpath=save_dir / "checkpoints", monitor="val_loss", save_top_k=1, filename="{epoch}-{val_loss:.4f}")
     trainer = L.Trainer(
@@ -130,9 +130,12 @@ def setup_error_worker(rank: int, world_size: int, cases: list[tuple[dict[str, A
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )
         message = None
-        try:
-            trainer.fit(model, DataLoader(TokenDataset(2 * GLOBAL_BATCH, seed=1), batch_size=GLOBAL_BATCH, drop_last=True))
-        except MisconfigurationException as error:
-            message = str(error)
-        outcomes.append({"message": message, "global_step": trainer.global_step, "planned": trainer.strategy.plan is not None})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", lnn.PartialPlanWarning)
+            try:
+                trainer.fit(model, DataLoader(TokenDataset(2 * GLOBAL_BATCH, seed=1), batch_size=GLOBAL_BATCH, drop_last=True))
+            except MisconfigurationException as error:
+                message = str(error)
+        partial = [str(warning.message) for warning in caught if issubclass(warning.category, lnn.PartialPlanWarning)]
+        outcomes.append({"message": message, "global_step": trainer.global_step, "planned": trainer.strategy.plan is not None, "partial": partial})
     return outcomes

@@ -1,10 +1,11 @@
 """Trainer runs shared by the e2e tests (module-level, so spawned and re-launched processes import them).
 
 The same model and data are trained with ``strategy="ddp"`` and with
-``NnScalerStrategy``. A DDP rank loads ``global_batch / world_size`` samples per step (its
-DistributedSampler takes every ``world_size``-th sample), while every nnscaler rank loads the whole
-global batch (``num_replicas=1``) and its generated code slices its share: both see the same
-samples per step, and DDP's gradient average equals our whole-batch mean loss's gradient.
+``NnScalerStrategy``. As under DDP, the DataLoader's ``batch_size`` is per data-parallel replica:
+a DDP rank is a replica; under nnscaler the recipe's layout says how many replicas there are (dp:
+every rank; tp over all ranks: one). `replica_batch_size` gives each the same global batch
+(``GLOBAL_BATCH``), so both see the same samples per step, and DDP's gradient average equals our
+whole-batch mean loss's gradient.
 
 Two models: the GPT reference (``model="gpt"``) and `ConvClassifier` (``model="conv"``), a plain
 module with a conv stem and an MLP head and no attention, trained with SGD + momentum.
@@ -183,6 +184,20 @@ MODELS = {"gpt": (build_model, TokenDataset), "conv": (build_conv_model, SignalD
 """Model name -> (model builder, dataset class ``(size, seed)``)."""
 
 
+def replica_batch_size(strategy: Any, devices: int, global_batch: int = GLOBAL_BATCH) -> int:
+    """The DataLoader ``batch_size`` that makes ``global_batch`` samples per step under ``strategy``:
+    ``global_batch`` / its data-parallel replicas (DDP's: ``devices``; nnscaler's: the recipe's layout)."""
+    strategy = make_strategy(strategy)
+    if isinstance(strategy, lnn.NnScalerStrategy):
+        recipe, params = strategy.recipe, strategy.recipe_params
+    elif isinstance(strategy, str) and strategy.startswith("nnscaler"):
+        recipe, params = strategy.removeprefix("nnscaler").removeprefix("_") or "dp", {}
+        recipe = "dp" if recipe == "spawn" else recipe
+    else:
+        return global_batch // devices
+    return global_batch // lnn.load_recipe(recipe).layout(devices, params).data_parallel
+
+
 def make_strategy(strategy: str | dict[str, Any] | Any) -> Any:
     """A Trainer ``strategy``: a registered name, an ``NnScalerStrategy``, or a dict of its arguments
     (``{"recipe": "coshard", "shards": 2}``: picklable, so it crosses process launches)."""
@@ -211,8 +226,7 @@ def fit(
     """
     strategy = make_strategy(strategy)
     build, dataset = MODELS[model]
-    global_samples = isinstance(strategy, lnn.NnScalerStrategy) or (isinstance(strategy, str) and strategy.startswith("nnscaler"))
-    batch_size = GLOBAL_BATCH if global_samples else GLOBAL_BATCH // devices
+    batch_size = replica_batch_size(strategy, devices * trainer_kwargs.get("num_nodes", 1))
     samples = samples or GLOBAL_BATCH * steps * accumulate
     train = DataLoader(dataset(samples, seed=1), batch_size=batch_size, shuffle=True, drop_last=True)
     val = DataLoader(dataset(2 * GLOBAL_BATCH, seed=2), batch_size=batch_size)
@@ -240,7 +254,7 @@ def held_boxes(strategy: Any) -> dict[str, list[tuple[tuple[int, int], ...]]]:
     executor = getattr(strategy, "executor", None)
     boxes: dict[str, list[tuple[tuple[int, int], ...]]] = {}
     for shard in executor.shards.values() if executor is not None else ():
-        boxes.setdefault(shard.state_key, []).append(tuple(tuple(bounds) for bounds in shard.box))
+        boxes.setdefault(shard.location.state_key, []).append(shard.location.box)
     return boxes
 
 

@@ -21,7 +21,7 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
-from lightning_runs import GLOBAL_BATCH, TokenDataset, build_model  # noqa: E402
+from lightning_runs import GLOBAL_BATCH, TokenDataset, build_model, replica_batch_size  # noqa: E402
 
 STEPS = 8
 INITIAL_SCALE = 2.0**20
@@ -51,7 +51,7 @@ def fp16_worker(rank: int, world_size: int, strategies: list[str]) -> dict[str, 
             strategy=strategy, accelerator="cpu", devices=world_size, max_steps=STEPS, plugins=[MixedPrecision("16-mixed", "cpu", scaler)],
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
         )
-        batch_size = GLOBAL_BATCH if strategy.startswith("nnscaler") else GLOBAL_BATCH // world_size
+        batch_size = replica_batch_size(strategy, world_size)
         train = torch.utils.data.DataLoader(TokenDataset(GLOBAL_BATCH * STEPS, seed=1), batch_size=batch_size, shuffle=True, drop_last=True)
         trainer.fit(build_model(), train)
         results[strategy] = {"losses": recorder.losses, "scales": recorder.scales}

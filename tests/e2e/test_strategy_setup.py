@@ -7,13 +7,11 @@ restores the environment variables Lightning's launcher set.
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import lightning_nnscaler as lnn
 from lightning_nnscaler import NnScalerStrategy
@@ -26,16 +24,6 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException  # 
 
 from feature_runs import setup_error_worker  # noqa: E402
 from lightning_runs import GLOBAL_BATCH, ScheduledGPT, TokenDataset, fit_gpt, single_device_run  # noqa: E402
-
-
-@pytest.fixture
-def one_rank_group():
-    environment = dict(os.environ)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(environment)
 
 
 def test_every_catalog_recipe_has_a_registered_name() -> None:
@@ -140,6 +128,7 @@ def test_recipes_that_do_not_fit_the_devices_or_the_heads_raise_at_setup() -> No
         ({"recipe": "hybrid", "dp": 1, "tp": 1}, {}),  # a grid smaller than the devices
         ({"recipe": "tp"}, {"heads": 1}),  # 2 pieces of 1 head
         ({"recipe": "coshard"}, {}),  # the default 4 shards x 2 devices = 8 pieces of 4 heads
+        ({"recipe": "coshard", "allow_partial": True}, {}),  # asked for: attention whole, a warning says how much was split
     ]
     outcomes = launch(setup_error_worker, 2, cases, timeout=220)
     expected = [
@@ -156,3 +145,8 @@ def test_recipes_that_do_not_fit_the_devices_or_the_heads_raise_at_setup() -> No
         for outcome, message in zip(rank_outcomes, expected):
             assert outcome["message"] is not None and re.search(message, outcome["message"], re.DOTALL), outcome["message"]
             assert outcome["global_step"] == 0 and not outcome["planned"]  # raised at setup: nothing planned or trained
+        best_effort = rank_outcomes[len(expected)]
+        assert best_effort["message"] is None and best_effort["global_step"] == 2 and best_effort["planned"]
+        assert len(best_effort["partial"]) == 1 and re.search(
+            r"recipe 'coshard' over 2 ranks split \d+% of the parameter elements.*4 heads, which 8 parts do not divide", best_effort["partial"][0], re.DOTALL
+        ), best_effort["partial"]

@@ -69,7 +69,7 @@ def train_recipes(rank: int, world_size: int, model_name: str, recipes: list[tup
             optimizer.step()
             executor.after_optimizer_step()
         parameter_keys = {key for key, _ in model.named_parameters()}
-        shards = [(shard.state_key, shard.box, shard.tensor) for shard in executor.full_shards().values() if shard.state_key in parameter_keys]
+        shards = [(shard.location, shard.tensor) for shard in executor.full_shards().values() if shard.location.state_key in parameter_keys]
         results[label] = {"losses": losses, "shards": shards}
     return results
 

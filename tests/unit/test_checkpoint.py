@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lightning_nnscaler import checkpoint
-from lightning_nnscaler.checkpoint import COMMON, CheckpointError, PieceLocation, commit, partial_directory, rank_file_name, rank_payload, write_atomically
+from lightning_nnscaler.checkpoint import COMMON, CheckpointError, commit, partial_directory, rank_file_name, rank_payload, write_atomically
+from lightning_nnscaler.ir.box import PieceLocation
 
 WEIGHT = torch.arange(24.0).reshape(4, 6)
 BIAS = torch.arange(4.0)

@@ -45,7 +45,7 @@ def test_generated_code_matches_snapshot(rank: int) -> None:
     path = SNAPSHOTS / f"megatron_two_layers_rank{rank}.py"
     if os.environ.get("UPDATE_SNAPSHOTS"):
         path.write_text(source)
-    assert source == path.read_text(), f"generated code changed; review the diff and rerun with UPDATE_SNAPSHOTS=1"
+    assert source == path.read_text(), "generated code changed; review the diff and rerun with UPDATE_SNAPSHOTS=1"
     compile(source, str(path), "exec")
 
 

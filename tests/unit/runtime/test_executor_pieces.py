@@ -24,7 +24,7 @@ def pieces_under(recipe: str) -> tuple[dict[str, torch.Tensor], list[list[tuple[
     def program(comm):
         executor = RankExecutor(module_from_source(plan.sources[comm.rank], f"rank{comm.rank}"), comm.rank, state, plan.graph.constant_values, comm)
         assert [id(piece.tensor) for piece in executor.pieces()] == [id(tensor) for tensor in executor.parameters()]
-        return [(p.state_key, p.box, p.chunk, p.replicas, p.tensor.detach().clone()) for p in executor.pieces()]
+        return [(p.location.state_key, p.location.box, p.location.chunk, p.replicas, p.tensor.detach().clone()) for p in executor.pieces()]
 
     return dict(model.named_parameters()), run_ranks(2, program, timeout=30)
 

@@ -1,0 +1,110 @@
+"""Import time: ``import lightning_nnscaler`` vs Lightning's own import (goal: at most Lightning's + 1 s).
+
+    python benchmarks/import_time.py [--rounds 7]
+
+Each import runs in a fresh ``python`` subprocess, the candidates interleaved round by round (so a
+change in machine load hits all of them alike), after one untimed warm-up round (bytecode caches and
+the page cache filled). Per candidate: the median wall time and the median CPU time (user + sys of
+the child). On an idle machine the two agree; on a loaded shared machine the wall time also counts
+waiting for a core, so CPU time is the steadier measure and the one ``tests/unit/test_import_time.py``
+checks.
+
+The Lightning baseline first declares the two torchvision ops exactly as ``lightning_nnscaler._compat``
+does (its file loaded by path, without the package): next to a torchvision wheel whose kernels do not
+load (this machine's CPU torch), a bare ``import lightning`` fails, and that shim is the only thing
+``lightning_nnscaler`` must add before Lightning can import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+GOAL_S = 1.0  # import lightning_nnscaler <= import lightning + GOAL_S
+
+_LIGHTNING = """\
+import importlib.util, os
+package = importlib.util.find_spec("lightning_nnscaler")
+path = os.path.join(package.submodule_search_locations[0], "_compat.py")
+spec = importlib.util.spec_from_file_location("_lnn_compat_for_baseline", path)
+compat = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(compat)
+compat.declare_torchvision_ops_when_its_kernels_cannot_load()
+import lightning
+"""
+
+CANDIDATES: dict[str, str] = {
+    "torch": "import torch",
+    "lightning": _LIGHTNING,
+    "lightning_nnscaler": "import lightning_nnscaler",
+}
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median seconds over the rounds of one candidate."""
+
+    wall_s: float
+    cpu_s: float
+
+
+def time_once(code: str) -> tuple[float, float]:
+    """``(wall seconds, CPU seconds)`` of ``python -c code`` in a fresh process; raises if it fails."""
+    start = time.perf_counter()
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status, usage = os.wait4(process.pid, 0)
+    wall = time.perf_counter() - start
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode != 0:
+        failed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        raise RuntimeError(f"python -c {code!r} exited {process.returncode}:\n{failed.stderr[-3000:]}")
+    return wall, usage.ru_utime + usage.ru_stime
+
+
+def measure(names: list[str], rounds: int, warmup: bool = True) -> dict[str, Timing]:
+    """Median wall and CPU time of each candidate over ``rounds`` interleaved rounds."""
+    if warmup:
+        for name in names:
+            time_once(CANDIDATES[name])
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            samples[name].append(time_once(CANDIDATES[name]))
+    return {
+        name: Timing(statistics.median(wall for wall, _ in runs), statistics.median(cpu for _, cpu in runs))
+        for name, runs in samples.items()
+    }
+
+
+def table(timings: dict[str, Timing], rounds: int) -> str:
+    python = f"{Path(sys.executable).name} {sys.version.split()[0]}"
+    lines = [
+        f"import time, median of {rounds} fresh processes each ({python}, {os.cpu_count()} CPUs)",
+        f"{'import':<22}{'wall s':>9}{'CPU s':>9}",
+    ]
+    lines += [f"{name:<22}{timing.wall_s:>9.2f}{timing.cpu_s:>9.2f}" for name, timing in timings.items()]
+    base, ours = timings["lightning"], timings["lightning_nnscaler"]
+    wall, cpu = ours.wall_s - base.wall_s, ours.cpu_s - base.cpu_s
+    lines.append(f"{'difference':<22}{wall:>+9.2f}{cpu:>+9.2f}   lightning_nnscaler - lightning")
+    lines.append(
+        f"{'goal':<22}{GOAL_S:>+9.2f}{GOAL_S:>+9.2f}   "
+        f"wall {'met' if wall <= GOAL_S else 'NOT met'}, CPU {'met' if cpu <= GOAL_S else 'NOT met'}"
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per import (default 7)")
+    arguments = parser.parse_args()
+    print(table(measure(list(CANDIDATES), arguments.rounds), arguments.rounds))
+
+
+if __name__ == "__main__":
+    main()

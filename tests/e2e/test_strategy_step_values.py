@@ -1,0 +1,132 @@
+"""NnScalerStrategy never trains a frozen Python value silently: a step that computes with
+``self.global_step`` / ``batch_idx`` is refused at the first batch, a plain attribute the step read
+that changes is refused at the step where it changes, and the fix (the value as a tensor of the
+batch) trains exactly like ``strategy="auto"``.
+
+One device: the run joins a 1-rank gloo group in the pytest process; the fixture leaves it and
+restores the environment variables Lightning set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_nnscaler import NnScalerStrategy
+from lightning_nnscaler.capture.step_values import FrozenValueError
+
+import lightning as L  # noqa: E402 - after lightning_nnscaler
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
+
+BATCH_SIZE, BATCHES_PER_EPOCH, EPOCHS = 4, 2, 2
+
+
+class Regression(L.LightningModule):
+    """A small MLP regression trained with SGD; the same initial weights every time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mlp = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.calls = 0
+        self.loss_name = "mse"
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        inputs, targets = batch[0], batch[1]
+        return ((self.mlp(inputs).squeeze(-1) - targets) ** 2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class BranchesOnGlobalStep(Regression):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        return loss * 2 if self.global_step > 3 else loss
+
+
+class BranchesOnBatchIndex(Regression):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        return loss * 2 if batch_idx % 2 else loss
+
+
+class CounterChangedInAHook(Regression):
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.calls += 1
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        return loss * 2 if self.calls > 1 else loss
+
+
+class EpochAsABatchTensor(Regression):
+    """The fix: the epoch comes in as a tensor of the batch, and the step reads only constants."""
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        inputs, targets = batch
+        return inputs, targets, torch.full((len(inputs),), float(self.current_epoch))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        epoch = batch[2].mean()
+        weighted = loss * (1 + epoch)  # (1 + epoch) grows every epoch
+        return torch.where(epoch > 0, weighted, loss) if self.training and self.loss_name == "mse" else loss
+
+
+class LossRecorder(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def _fit(model: L.LightningModule, strategy: Any) -> tuple[L.Trainer, list[float]]:
+    generator = torch.Generator().manual_seed(1)
+    samples = BATCH_SIZE * BATCHES_PER_EPOCH
+    data = TensorDataset(torch.randn(samples, 4, generator=generator), torch.randn(samples, generator=generator))
+    recorder = LossRecorder()
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder],
+    )
+    # Lightning keeps a DistributedSampler it is given: both strategies see the same order every epoch.
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    trainer.fit(model, DataLoader(data, batch_size=BATCH_SIZE, sampler=sampler, drop_last=True))
+    return trainer, recorder.losses
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("model_class", "value"), [(BranchesOnGlobalStep, "self.global_step"), (BranchesOnBatchIndex, "batch_idx")])
+def test_a_step_computing_with_a_per_step_value_is_refused_at_the_first_batch(one_rank_group: None, model_class: type, value: str) -> None:
+    model = model_class()
+    strategy = NnScalerStrategy()
+    with pytest.raises(MisconfigurationException, match=rf"computes with {value} \(at .*test_strategy_step_values.py:\d+\)") as error:
+        _fit(model, strategy)
+    assert isinstance(error.value.__cause__, FrozenValueError)
+    assert "pass it in as a tensor of the batch" in str(error.value)
+    assert model.trainer.global_step == 0 and strategy.executor is None  # nothing trained
+    assert type(model) is model_class
+
+
+@pytest.mark.timeout(120)
+def test_an_attribute_the_step_read_is_refused_at_the_step_where_it_changes(one_rank_group: None) -> None:
+    model = CounterChangedInAHook()
+    with pytest.raises(FrozenValueError, match=r"read self.calls \(at .*\), which was 1 when the step was traced and is 2 now"):
+        _fit(model, NnScalerStrategy())
+    assert model.trainer.global_step == 1  # the first step trained (calls == 1, as traced); the second was refused
+
+
+@pytest.mark.timeout(120)
+def test_a_step_given_the_epoch_as_a_tensor_trains_like_auto(one_rank_group: None) -> None:
+    _, expected = _fit(EpochAsABatchTensor(), "auto")
+    trainer, losses = _fit(EpochAsABatchTensor(), NnScalerStrategy())
+    assert len(losses) == BATCHES_PER_EPOCH * EPOCHS and trainer.current_epoch == EPOCHS
+    assert {attribute.label for attribute in trainer.strategy.plan.step_values.attributes} == {"self.loss_name"}
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-7)
