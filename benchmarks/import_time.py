@@ -54,10 +54,17 @@ class Timing:
     cpu_s: float
 
 
+def clean_environment() -> dict[str, str]:
+    """The environment a fresh shell would give (what a test run left in ``os.environ`` — ranks, W&B or
+    Lightning settings — must not change what an import does)."""
+    kept = ("PATH", "HOME", "LANG", "TMPDIR", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "VIRTUAL_ENV", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+    return {name: value for name, value in os.environ.items() if name in kept}
+
+
 def time_once(code: str) -> tuple[float, float]:
     """``(wall seconds, CPU seconds)`` of ``python -c code`` in a fresh process; raises if it fails."""
     start = time.perf_counter()
-    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_environment())
     _, status, usage = os.wait4(process.pid, 0)
     wall = time.perf_counter() - start
     process.returncode = os.waitstatus_to_exitcode(status)

@@ -2,8 +2,11 @@
 
     lightning-nnscaler recipes                 the recipe catalog, a line each (with its parameters)
     lightning-nnscaler --import MODULE ...     import MODULE first (it registers your own recipes)
-    lightning-nnscaler ckpt info DIR           a sharded checkpoint's plan and files
-    lightning-nnscaler ckpt merge DIR OUT      a sharded checkpoint as one plain Lightning checkpoint file
+    lightning-nnscaler ckpt info DIR           a sharded checkpoint's plan, files and leftovers (or a plain file's summary)
+    lightning-nnscaler ckpt info --verify DIR  the same, after reading and checking every file (sizes, hashes, save tokens)
+    lightning-nnscaler ckpt merge DIR OUT      a sharded checkpoint as one plain Lightning checkpoint file (every file checked)
+
+A damaged checkpoint exits with status 2 and one line naming the file, what is wrong and what to do.
 """
 
 from __future__ import annotations
@@ -27,9 +30,7 @@ def _recipes(arguments: argparse.Namespace) -> None:
 
 
 def _ckpt_info(arguments: argparse.Namespace) -> None:
-    metadata = checkpoint.read_metadata(arguments.directory)
-    shown = {key: metadata[key] for key in ("recipe", "recipe_params", "world_size", "plan_hash", "files")}
-    print(json.dumps(shown, indent=1, sort_keys=True))
+    print(json.dumps(checkpoint.describe(arguments.directory, verify=arguments.verify), indent=1, sort_keys=True, default=str))
 
 
 def _ckpt_merge(arguments: argparse.Namespace) -> None:
@@ -47,8 +48,9 @@ def parser() -> argparse.ArgumentParser:
     commands = root.add_subparsers(dest="command", required=True)
     commands.add_parser("recipes", help="list the recipe catalog").set_defaults(run=_recipes)
     ckpt = commands.add_parser("ckpt", help="sharded checkpoints").add_subparsers(dest="ckpt_command", required=True)
-    info = ckpt.add_parser("info", help="print a sharded checkpoint's plan and files")
+    info = ckpt.add_parser("info", help="print a sharded checkpoint's plan, files and leftovers, or a plain checkpoint's summary")
     info.add_argument("directory")
+    info.add_argument("--verify", action="store_true", help="read every file and check its size, content hash and save token")
     info.set_defaults(run=_ckpt_info)
     merge = ckpt.add_parser("merge", help="write a sharded checkpoint as one plain Lightning checkpoint file")
     merge.add_argument("directory", help="the sharded checkpoint directory (e.g. epoch=0-step=10.ckpt)")
@@ -66,6 +68,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         arguments.run(arguments)
     except (checkpoint.CheckpointError, RecipeError) as error:
         print(f"lightning-nnscaler: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # e.g. the output of `ckpt merge` cannot be written
+        print(f"lightning-nnscaler: {error.filename or ''}: {error.strerror or error}: check the path and its permissions", file=sys.stderr)
         return 2
     return 0
 

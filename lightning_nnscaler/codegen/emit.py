@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from lightning_nnscaler.codegen.names import with_safe_names
 from lightning_nnscaler.ir.printer import format_argument
 from lightning_nnscaler.materialize.program import Assemble, Collective, Compute, Program, RankProgram, Recv, Send, reads, writes
 
@@ -48,8 +49,12 @@ class _Name:
 
 
 def emit_rank(program: Program, rank: int, plan_hash: str, label: str, zero_stage: int = 0) -> str:
-    """The source of rank ``rank``'s module; ``zero_stage`` is the plan's ZeRO option for replicated boxes."""
-    rank_program = program.ranks[rank]
+    """The source of rank ``rank``'s module; ``zero_stage`` is the plan's ZeRO option for replicated boxes.
+
+    Variables are named after graph tensors, renamed where that would shadow a name the module uses
+    (``codegen.names``).
+    """
+    rank_program = with_safe_names(program.ranks[rank])
     lines = [HEADER.format(rank=rank, world_size=program.world_size, plan_hash=plan_hash, label=label)]
     lines.append(f"RANK = {rank}")
     lines.append(f"WORLD_SIZE = {program.world_size}")

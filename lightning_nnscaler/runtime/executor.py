@@ -6,8 +6,10 @@ the materialized program; the generated module does the step itself.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -65,12 +67,22 @@ class RankExecutor:
                 f"the generated module is rank {module.RANK} of a {module.WORLD_SIZE}-rank plan, but it is being run as "
                 f"rank {rank} of {communicator.world_size}; plan again with world_size={communicator.world_size}"
             )
-        self.module = module
         self.rank = rank
         self.communicator = communicator
         self.device = torch.device(device)
+        self._load(module, constants, input_offsets, lambda location, role: _piece(location, role, state[location.state_key], self.device))
+        by_location = {shard.location: shard.tensor for shard in self.shards.values()}
+        replicated = [(by_location[PieceLocation(key, box)], ranks) for key, box, ranks in module.GRADIENT_GROUPS]
+        self.reducer = GradientReducer(replicated, communicator, rank, getattr(module, "ZERO_STAGE", 0))
+
+    def _load(
+        self, module: ModuleType, constants: dict[str, torch.Tensor], input_offsets: dict[str, int] | None,
+        piece_of: Callable[[PieceLocation, str], Shard],
+    ) -> None:
+        """Take ``module``'s table of held inputs: batch boxes, constants, and parameter/buffer pieces from ``piece_of``."""
+        self.module = module
         module.DEVICE = self.device
-        communicator.create_groups(module.GROUPS)
+        self.communicator.create_groups(module.GROUPS)
         self.held: dict[str, torch.Tensor] = {}
         self.input_boxes: dict[str, tuple[str, Box]] = {}
         self.shards: dict[str, Shard] = {}
@@ -81,16 +93,30 @@ class RankExecutor:
             elif role == "constant":
                 self.held[var] = constants[name][region(box)].to(self.device)
             else:
-                location = PieceLocation(state_key, box)
-                source = state[state_key]
-                piece = location.take(source.detach()).to(self.device)
-                if role == "parameter" and source.requires_grad:
-                    piece = torch.nn.Parameter(piece)
-                self.held[var] = piece
-                self.shards[var] = Shard(location, piece)
-        by_location = {shard.location: shard.tensor for shard in self.shards.values()}
-        replicated = [(by_location[PieceLocation(key, box)], ranks) for key, box, ranks in module.GRADIENT_GROUPS]
-        self.reducer = GradientReducer(replicated, communicator, rank, getattr(module, "ZERO_STAGE", 0))
+                shard = piece_of(PieceLocation(state_key, box), role)
+                self.held[var], self.shards[var] = shard.tensor, shard
+
+    def sharing_pieces(
+        self, module: ModuleType, constants: dict[str, torch.Tensor], input_offsets: dict[str, int] | None = None
+    ) -> RankExecutor:
+        """An executor of ``module`` — this rank's code planned for another batch shape — over this
+        executor's parameter and buffer pieces (the same tensors), reducer and communicator, so an
+        optimizer stepping these pieces trains the model whichever plan ran the step.
+
+        Raises:
+            ValueError: ``module`` holds other pieces, sums other gradient groups or uses another ZeRO stage.
+        """
+        mine = {(key, box, role) for _, key, box, role in self.module.HELD.values() if role not in ("input", "constant")}
+        theirs = {(key, box, role) for _, key, box, role in module.HELD.values() if role not in ("input", "constant")}
+        if mine != theirs or module.GRADIENT_GROUPS != self.module.GRADIENT_GROUPS or module.ZERO_STAGE != self.module.ZERO_STAGE:
+            raise ValueError(
+                f"rank {self.rank}: the new plan holds other parameter pieces (only in it: {sorted(theirs - mine)[:4]}, "
+                f"only in the first: {sorted(mine - theirs)[:4]}) or sums other gradient groups"
+            )
+        sibling = copy.copy(self)  # rank, device, communicator and reducer are shared
+        by_location = {shard.location: shard for shard in self.shards.values()}
+        sibling._load(module, constants, input_offsets, lambda location, role: by_location[location])
+        return sibling
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """What this rank's optimizer updates: its parameter boxes (owned chunks of them under ZeRO)."""
@@ -181,6 +207,14 @@ class RankExecutor:
         local = sum((seed.detach().reshape(()) for seed in seeds if seed.numel() == 1), torch.zeros((), device=self.device))
         # Started before any gradient bucket, on every rank: the async sums pair up (see runtime.comm).
         return self.communicator.all_reduce_async(local, tuple(range(self.communicator.world_size)))
+
+
+def _piece(location: PieceLocation, role: str, source: torch.Tensor, device: torch.device) -> Shard:
+    """This rank's own copy of ``location`` of ``source`` (a Parameter when it is a trained parameter)."""
+    piece = location.take(source.detach()).to(device)
+    if role == "parameter" and source.requires_grad:
+        piece = torch.nn.Parameter(piece)
+    return Shard(location, piece)
 
 
 def merge_shards(per_rank: list[dict[str, Shard]], shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:

@@ -8,7 +8,12 @@ Saving: each rank lists the pieces it holds (model boxes; optimizer state of the
 chunks its optimizer updates); the lists are gathered (small: locations only) so that a box held
 by several ranks (data-parallel replicas) is written once, by the lowest of them, and state the
 plan never touches (e.g. a head used only in ``validation_step``) is written whole by rank 0. Each
-rank then writes its own file; no rank ever holds the whole model state.
+rank then writes its own file, hashing it as it goes; no rank ever holds the whole model state.
+
+Before any collective the ranks agree that all of them are saving (``every_rank_is_saving``), so a
+save called on rank 0 only is refused by name. After writing, rank 0 checks it sees every rank's
+file (ranks on machines without a shared filesystem write where rank 0 cannot read) and commits;
+every rank learns the outcome, so the save succeeds or raises on all of them.
 """
 
 from __future__ import annotations
@@ -17,13 +22,16 @@ import os
 import shutil
 import uuid
 from collections import defaultdict
+from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_nnscaler.checkpoint import (
-    COMMON, CheckpointError, commit, partial_directory, rank_file_name, rank_payload, write_atomically,
+    COMMON, SAVE_RECORD, CheckpointError, commit, partial_directory, rank_file_name, rank_payload, write_atomically,
 )
 from lightning_nnscaler.ir.box import PieceLocation, full_box
 from lightning_nnscaler.runtime.executor import RankExecutor
@@ -96,6 +104,34 @@ def held_optimizer_pieces(
     return pieces
 
 
+AGREEMENT_TIMEOUT_S = 120.0  # how long the ranks may reach a save apart before it is refused
+
+
+def every_rank_is_saving(path: str | os.PathLike, timeout_s: Optional[float] = None) -> None:
+    """Agree that every rank is saving ``path`` before any collective of the save (gloo: ``monitored_barrier``).
+
+    A save is a collective (each rank writes its own pieces): a ``trainer.save_checkpoint`` called on
+    rank 0 only would otherwise meet the other ranks' next collective, or their exit, and fail with
+    gloo's "remote worker crashing" or hang. NCCL has no monitored barrier; there a missing rank shows
+    as the collective timeout.
+
+    Raises:
+        CheckpointError: some rank did not reach the save within ``timeout_s`` (default ``AGREEMENT_TIMEOUT_S``).
+    """
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() != "gloo":
+        return
+    timeout = AGREEMENT_TIMEOUT_S if timeout_s is None else timeout_s
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+    except RuntimeError as error:
+        reason = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        raise CheckpointError(
+            f"saving {path}: not every rank reached the save within {timeout:g} s ({reason}). Saving a checkpoint is a collective: "
+            "every rank must call trainer.save_checkpoint (each writes its own pieces), not only rank 0 (e.g. not under "
+            "`if trainer.is_global_zero:`)"
+        ) from None
+
+
 def save_sharded(
     checkpoint: dict[str, Any],
     path: str | os.PathLike,
@@ -111,6 +147,10 @@ def save_sharded(
 ) -> None:
     """Write ``checkpoint`` as a sharded checkpoint directory at ``path`` (all ranks call it).
 
+    Every rank writes its file into ``path/.partial-<token>`` and reports its size and content hash;
+    rank 0 checks it can see every rank's file (else the ranks write to different machines' disks),
+    then commits (``checkpoint.commit``); every rank learns the outcome, so all succeed or all raise.
+
     Args:
         checkpoint: What Lightning dumped (its ``state_dict`` and optimizer states are replaced by the pieces).
         module: The full LightningModule (shapes, tied keys, and the values of state the plan does not hold).
@@ -120,9 +160,11 @@ def save_sharded(
         gather: Every rank's object, by rank (a collective).
 
     Raises:
-        CheckpointError: a rank failed to write its file; the earlier checkpoint at ``path`` is kept.
+        CheckpointError: a rank failed to write its file, rank 0 cannot see some rank's file (no shared
+            filesystem), or the commit failed; the earlier checkpoint at ``path`` is kept.
     """
     token = gather(uuid.uuid4().hex[:12])[0]
+    save = {"token": token, "world_size": world_size, "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
     with_optimizers = "optimizer_states" in checkpoint
     optimizer_pieces = optimizer_pieces if with_optimizers else []
     entries = [("model", location) for location, _ in model_pieces]
@@ -136,28 +178,73 @@ def save_sharded(
         for index, pieces in enumerate(optimizer_pieces)
     ]
     partial = partial_directory(path, token)
-    failure = None
+    failure, records = None, {}
     try:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise CheckpointError(f"{path} is a file, not a sharded checkpoint directory: remove it or save under another name")
         partial.mkdir(parents=True, exist_ok=True)
-        write_atomically(rank_payload(mine, my_optimizer_pieces), partial / rank_file_name(rank, world_size))
+        name = rank_file_name(rank, world_size)
+        records[name] = write_atomically(rank_payload(mine, my_optimizer_pieces, save={**save, "rank": rank}), partial / name)
         if rank == 0:
-            write_atomically(_common_part(checkpoint), partial / COMMON)
+            records[COMMON] = write_atomically({**_common_part(checkpoint), SAVE_RECORD: {**save, "rank": 0}}, partial / COMMON)
     except Exception as error:  # noqa: BLE001 - every rank must learn of it before anyone commits
         failure = f"{type(error).__name__}: {error}"
-    failures = [(index, message) for index, message in enumerate(gather(failure)) if message]
-    if failures:
-        if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        raise CheckpointError(f"saving {path} failed on rank {failures[0][0]}: {failures[0][1]}; the earlier checkpoint is kept")
+    reports = gather((failure, records))
+    verdict = None
     if rank == 0:
-        state = module.state_dict(keep_vars=True)
-        commit(partial, path, {
-            "world_size": world_size, **plan,
-            "state_keys": list(state), "shapes": {key: list(value.shape) for key, value in state.items()},
-            "dtypes": {key: str(value.dtype).removeprefix("torch.") for key, value in state.items()},
-            "tied": tied_key_groups(module), "param_group_keys": group_keys if with_optimizers else [],
+        verdict = _commit_or_refuse(path, partial, reports, {
+            "world_size": world_size, **plan, "save": save, **_model_description(module),
+            "param_group_keys": group_keys if with_optimizers else [],
         })
-    gather(None)  # nobody goes on (e.g. to load or remove it) before the checkpoint is in place
+    verdict = gather(verdict)[0]  # nobody goes on (e.g. to load or remove it) before the checkpoint is in place
+    if verdict is not None:
+        shutil.rmtree(partial, ignore_errors=True)  # this rank's copy, where rank 0 cannot see it
+        _remove_if_empty(path)
+        raise CheckpointError(verdict)
+
+
+def _commit_or_refuse(path: str | os.PathLike, partial: Path, reports: list[tuple[Any, dict[str, Any]]], metadata: dict[str, Any]) -> Optional[str]:
+    """Rank 0: commit the save, or the message every rank raises (the partial directory then removed)."""
+    failures = [(index, message) for index, (message, _) in enumerate(reports) if message]
+    files = {name: record for _, records in reports for name, record in records.items()}
+    unseen = [index for index, (_, records) in enumerate(reports) for name, record in records.items()
+              if not (partial / name).is_file() or (partial / name).stat().st_size != record["size"]]
+    verdict = None
+    if failures:
+        verdict = f"saving {path} failed on rank {failures[0][0]}: {failures[0][1]}; the earlier checkpoint is kept"
+    elif unseen:
+        verdict = (
+            f"saving {path} failed: rank 0 cannot see the files that rank(s) {', '.join(map(str, sorted(set(unseen))))} wrote into "
+            f"{partial} (no shared filesystem: each machine wrote to its own disk). Every rank must save to one directory that all "
+            "nodes share (e.g. NFS or Lustre): point the Trainer's default_root_dir / ModelCheckpoint's dirpath there; "
+            "the earlier checkpoint is kept"
+        )
+    else:
+        try:
+            commit(partial, path, metadata, files)
+        except Exception as error:  # noqa: BLE001 - every rank must learn of it
+            verdict = f"saving {path} failed while committing it: {type(error).__name__}: {error}; the earlier checkpoint is kept"
+    if verdict is not None:
+        shutil.rmtree(partial, ignore_errors=True)
+    return verdict
+
+
+def _remove_if_empty(path: str | os.PathLike) -> None:
+    """Remove ``path`` if a failed first save left it an empty directory."""
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+def _model_description(module: nn.Module) -> dict[str, Any]:
+    """The metadata's description of the full module: its keys, shapes, dtypes and tied groups."""
+    state = module.state_dict(keep_vars=True)
+    return {
+        "state_keys": list(state), "shapes": {key: list(value.shape) for key, value in state.items()},
+        "dtypes": {key: str(value.dtype).removeprefix("torch.") for key, value in state.items()},
+        "tied": tied_key_groups(module),
+    }
 
 
 def _first_holders(per_rank: list[list[_Entry]]) -> dict[_Entry, int]:

@@ -14,7 +14,10 @@ step happens:
   through ``training_step``, the recipe plans it for the world size (every rank plans alike, from
   the same batch; the plan hashes are compared, no shared filesystem is needed), the rank's
   generated module is loaded into a ``RankExecutor``, and the optimizers' param groups move onto
-  the rank's pieces (``gradients.move_param_groups``).
+  the rank's pieces (``gradients.move_param_groups``). A batch of another shape (a ragged last
+  batch, another sequence length) gets its own plan, cached by shape (at most
+  ``planning.MAX_PLANS``), whose executor shares the first one's pieces, so the optimizer goes on
+  training the same tensors.
 - **training_step** runs ``forward_backward`` (forward, backward and the gradient reduction) and
   returns the loss, so Lightning logs it and steps the optimizer; Lightning's ``backward`` then only
   hands the step's gradients over (``gradients.GradientStash``).
@@ -58,7 +61,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -73,14 +76,17 @@ from lightning_nnscaler.runtime import TorchDistributedCommunicator
 from lightning_nnscaler.runtime.executor import RankExecutor
 from lightning_nnscaler import checkpoint as sharded_checkpoint
 from lightning_nnscaler.strategy.checkpoint import (
-    copy_pieces_into, group_keys_of, held_model_pieces, held_optimizer_pieces, save_sharded, single_device_param_groups,
+    copy_pieces_into, every_rank_is_saving, group_keys_of, held_model_pieces, held_optimizer_pieces, save_sharded,
+    single_device_param_groups,
 )
 from lightning_nnscaler.strategy.gradients import (
     GradientStash, clip_grad_norm, gradient_holders, move_param_groups, piece_locations, replica_counts,
 )
 from lightning_nnscaler.strategy.plan_logging import log_plan, record_loss_logs
 from lightning_nnscaler.plans.layout import RecipeLayout
-from lightning_nnscaler.strategy.planning import check_fits, check_recipe, check_supported, graph_inputs, plan_training_step
+from lightning_nnscaler.strategy.planning import (
+    batch_signature, check_fits, check_new_signature, check_recipe, check_supported, graph_inputs, plan_training_step, share_pieces,
+)
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
@@ -277,26 +283,41 @@ class NnScalerStrategy(ParallelStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Plan the step from the first batch it will receive (see the module docstring)."""
-        if self.executor is None:
-            self._build_executor(batch, batch_idx)
+        """Plan the step from the first batch it will receive, and again for each new batch shape (see the module docstring)."""
+        signature = batch_signature(batch)
+        if self.executor is None or signature not in self._plans_by_shape:
+            self._build_executor(batch, batch_idx, signature)
+        else:
+            self.plan, self.executor = self._plans_by_shape[signature]
 
-    def _build_executor(self, batch: Any, batch_idx: int) -> None:
+    def _build_executor(self, batch: Any, batch_idx: int, signature: tuple) -> None:
+        """Plan for batches of ``signature``; a plan after the first shares the first's pieces (``planning.share_pieces``)."""
         module = self.lightning_module
         assert module is not None
         rank, world_size = self.global_rank, self.world_size
+        first = self.executor is None
+        if first:
+            self._plans_by_shape: dict[tuple, tuple[Plan, RankExecutor]] = {}
+        check_new_signature(signature, list(self._plans_by_shape), self._all_gather_objects)
         # Traced under the precision's autocast, as it will run: the plan's dtypes are what the step computes.
         with self.precision_plugin.train_step_context():
             plan = plan_training_step(
                 module, batch, self.recipe, self.recipe_params, world_size, self._all_gather_objects, allow_partial=self.allow_partial
             )
         code = module_from_source(plan.sources[rank], f"nnscaler_rank{rank}_{plan.plan_hash[:12]}")
+        if not first:
+            assert self.executor is not None
+            self.plan, self.executor = plan, share_pieces(next(iter(self._plans_by_shape.values()))[1], code, plan, rank)
+            self._plans_by_shape[signature] = (plan, self.executor)
+            rank_zero_info(f"NnScalerStrategy: plan {len(self._plans_by_shape)} for batch shapes {list(signature)} ({plan.plan_hash[:12]})")
+            return
         state = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
         communicator = TorchDistributedCommunicator(timeout=self.timeout)
         self.executor = RankExecutor(
             code, rank, state, plan.graph.constant_values, communicator, self.root_device, input_offsets=plan.input_offsets(rank)
         )
         self.plan = plan
+        self._plans_by_shape[signature] = (plan, self.executor)
         self._group_keys = [move_param_groups(optimizer, module, self.executor) for optimizer in self.optimizers]
         self._locations = piece_locations(self.executor)
         self._gradient_stash = GradientStash(gradient_holders(self.executor))
@@ -435,6 +456,7 @@ class NnScalerStrategy(ParallelStrategy):
         """
         if storage_options is not None:
             raise TypeError(f"NnScalerStrategy.save_checkpoint does not take storage_options (got {storage_options!r})")
+        every_rank_is_saving(filepath)  # before any collective: a save called on rank 0 only is refused by name
         module = self.lightning_module
         assert module is not None
         optimizers = [optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer for optimizer in self.optimizers]

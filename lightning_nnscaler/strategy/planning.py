@@ -1,10 +1,16 @@
 """Planning for ``NnScalerStrategy``: what it checks at construction and setup (the recipe and its
-parameters; at setup, that they fit the devices and the model's attention heads), the plan from the
-first batch, and each batch's inputs for the plan."""
+parameters; at setup, that they fit the devices and the model's attention heads), a plan per batch
+shape, and each batch's inputs for its plan.
+
+Batches may change shape (a ragged last batch, sequences padded to each batch's longest): each new
+shape signature (``batch_signature``) is planned anew, at most ``MAX_PLANS`` times per fit, and its
+executor wraps the same parameter pieces as the first plan's (``share_pieces``), so the optimizer,
+its state and the gradient buckets stay those of the first plan."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
+from types import ModuleType
 
 import torch
 from torch.utils import _pytree as pytree
@@ -15,6 +21,9 @@ from lightning_nnscaler.capture import CaptureError, flatten_inputs
 from lightning_nnscaler.parallelize import Plan, parallelize
 from lightning_nnscaler.plans.catalog import RecipeError, load_recipe
 from lightning_nnscaler.plans.layout import RecipeLayout
+from lightning_nnscaler.runtime.executor import RankExecutor
+
+MAX_PLANS = 8  # distinct batch shapes per fit: each costs a trace and a plan (seconds) and a module
 
 
 def check_recipe(recipe: str, params: dict[str, Any]) -> None:
@@ -155,11 +164,59 @@ def whole_batch(batch: Any, replicas: int) -> Any:
     return pytree.tree_map(lambda leaf: torch.cat([leaf] * replicas) if isinstance(leaf, torch.Tensor) and leaf.dim() else leaf, batch)
 
 
+def batch_signature(batch: Any) -> tuple[tuple[int, ...], ...]:
+    """The shapes of the batch's tensors (this replica's), in the traced step's input order: one plan each."""
+    return tuple(tuple(value.shape) for value in flatten_inputs(batch, step="training_step"))
+
+
+def check_new_signature(signature: tuple, known: list[tuple], gather: Callable[[Any], list[Any]]) -> None:
+    """Raise unless every rank got a batch of ``signature`` (a collective: every rank calls it when a
+    shape new to it arrives) and fewer than ``MAX_PLANS`` shapes were planned before.
+
+    With Lightning's DistributedSampler (``drop_last=False`` pads by repeating samples) every replica
+    gets as many samples, so the ranks' batches have one shape at each step, the ragged last one too.
+
+    Raises:
+        MisconfigurationException: naming the ranks' shapes, or the shapes planned so far, and the fix.
+    """
+    by_rank = gather(signature)
+    if any(other != by_rank[0] for other in by_rank):
+        raise MisconfigurationException(
+            f"the ranks got training batches of different shapes at the same step (by rank: {by_rank}). NnScalerStrategy plans "
+            "each step for one batch shape on all data-parallel replicas: keep its DistributedSampler "
+            "(use_distributed_sampler=True) and pad variable-length inputs to a length every rank uses at that step "
+            "(e.g. a fixed length, or the longest of the global batch)."
+        )
+    if len(known) >= MAX_PLANS:
+        raise MisconfigurationException(
+            f"a training batch has tensor shapes {list(signature)}, a new shape after {len(known)} planned ones "
+            f"({[list(shape) for shape in known]}); NnScalerStrategy plans at most {MAX_PLANS} batch shapes per fit. "
+            "Pad variable-length inputs to a few fixed lengths (buckets), or set drop_last=True on the train DataLoader."
+        )
+
+
+def share_pieces(first: RankExecutor, code: ModuleType, plan: Plan, rank: int) -> RankExecutor:
+    """An executor of ``code`` (``plan``'s module for ``rank``, planned for another batch shape) over
+    ``first``'s parameter and buffer pieces, reducer and communicator (``RankExecutor.sharing_pieces``),
+    so the optimizer (moved onto ``first``'s pieces) trains them whatever the plan of the step.
+
+    Raises:
+        MisconfigurationException: the plan's parameter layout differs from the first plan's.
+    """
+    try:
+        return first.sharing_pieces(code, plan.graph.constant_values, plan.input_offsets(rank))
+    except ValueError as error:
+        raise MisconfigurationException(
+            f"the plan for a batch of another shape cannot share the first plan's parameter pieces: {error}. The recipe's "
+            "parameter layout depends on the batch shape: set drop_last=True on the train DataLoader and pad inputs to one length."
+        ) from error
+
+
 def graph_inputs(plan: Plan, batch: Any) -> dict[str, torch.Tensor]:
     """This replica's batch tensors by graph input name.
 
     Raises:
-        MisconfigurationException: the batch's shapes are not the planned ones (the first batch's).
+        MisconfigurationException: the batch's shapes are not the plan's (a bug: each shape has its plan).
     """
     values = flatten_inputs(batch, step="training_step")
     replicas = plan.data_layout.data_parallel
@@ -168,8 +225,6 @@ def graph_inputs(plan: Plan, batch: Any) -> dict[str, torch.Tensor]:
     shapes = [tuple(value.shape) for value in values]
     if shapes != local:
         raise MisconfigurationException(
-            f"a training batch has tensor shapes {shapes}, but the step was planned for {local} per data-parallel replica "
-            "(the first batch). NnScalerStrategy needs batches of one shape: set drop_last=True on the train DataLoader "
-            "and pad sequences to a fixed length."
+            f"a training batch has tensor shapes {shapes}, but its plan is for {local} per data-parallel replica"
         )
     return {tensor.name: value for tensor, value in zip(plan.graph.user_inputs, values)}

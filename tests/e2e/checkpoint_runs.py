@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,11 @@ import torch
 import lightning_nnscaler as lnn  # noqa: F401 - before lightning
 from lightning_nnscaler.strategy import checkpoint as strategy_checkpoint
 
-from lightning_runs import GLOBAL_BATCH, fit_gpt  # noqa: E402
+from lightning_nnscaler.checkpoint import CheckpointError, layout  # noqa: E402
+
+import lightning as L  # noqa: E402
+
+from lightning_runs import GLOBAL_BATCH, TokenDataset, build_model, fit_gpt, replica_batch_size  # noqa: E402
 
 STEPS_PER_EPOCH = 10
 
@@ -40,13 +45,60 @@ def killed_while_saving_worker(rank: int, world_size: int, directory: str) -> No
     saves = {"count": 0}
     write = strategy_checkpoint.write_atomically
 
-    def write_then_die_on_the_second_save(payload: Any, path: Path) -> None:
+    def write_then_die_on_the_second_save(payload: Any, path: Path) -> dict[str, Any]:
         if path.name.startswith("rank"):
             saves["count"] += 1
             if rank == 1 and saves["count"] == 2:
                 path.with_name(f".{path.name}.tmp").write_bytes(b"half a file")
                 os.kill(os.getpid(), signal.SIGKILL)
-        write(payload, path)
+        return write(payload, path)
 
     strategy_checkpoint.write_atomically = write_then_die_on_the_second_save  # what save_sharded calls
+    runs_worker(rank, world_size, [("killed", "nnscaler_tp", 2, {"checkpoint_dir": directory, "validate": False})])
+
+
+def rank_zero_only_save_worker(rank: int, world_size: int, path: str) -> str | None:
+    """Fit 2 steps with tp, then call ``trainer.save_checkpoint`` on rank 0 only (the mistake); the other
+    ranks go on with other work. Returns rank 0's error message."""
+    torch.set_num_threads(1)
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    strategy_checkpoint.AGREEMENT_TIMEOUT_S = 10.0
+    trainer = L.Trainer(
+        strategy="nnscaler_tp", accelerator="cpu", devices=world_size, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    train = torch.utils.data.DataLoader(TokenDataset(4 * GLOBAL_BATCH, seed=1), batch_size=replica_batch_size("nnscaler_tp", world_size))
+    trainer.fit(build_model(), train)
+    if not trainer.is_global_zero:
+        time.sleep(20)  # busy elsewhere: it never reaches the save
+        return None
+    try:
+        trainer.save_checkpoint(path)
+    except CheckpointError as error:
+        return str(error)
+    return "saved without the other ranks"
+
+
+def killed_during_overwrite_worker(rank: int, world_size: int, directory: str) -> None:
+    """Train 2 epochs with tp and ``ModelCheckpoint(save_last=True)``; rank 0 is killed (SIGKILL) in the commit
+    that overwrites ``last.ckpt`` the second time, after writing the new pointer and before switching to it."""
+    import functools
+
+    import lightning_runs
+
+    lightning_runs.ModelCheckpoint = functools.partial(lightning_runs.ModelCheckpoint, save_last=True)
+    commits = {"last": 0, "current": None}
+    commit = strategy_checkpoint.commit
+
+    def counting_commit(partial: Path, path: Any, *args: Any, **kwargs: Any) -> None:
+        commits["current"] = Path(path).name
+        commits["last"] += Path(path).name == "last.ckpt"
+        return commit(partial, path, *args, **kwargs)
+
+    def die_before_the_switch(step: str) -> None:
+        if rank == 0 and step == "pointer written" and commits["current"] == "last.ckpt" and commits["last"] == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    strategy_checkpoint.commit = counting_commit  # what save_sharded calls
+    layout._after_step = die_before_the_switch
     runs_worker(rank, world_size, [("killed", "nnscaler_tp", 2, {"checkpoint_dir": directory, "validate": False})])

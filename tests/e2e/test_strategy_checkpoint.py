@@ -20,7 +20,9 @@ from lightning_nnscaler.launch import LaunchError, launch
 
 import lightning as L  # noqa: E402
 
-from checkpoint_runs import STEPS_PER_EPOCH, killed_while_saving_worker, runs_worker  # noqa: E402
+from checkpoint_runs import (  # noqa: E402
+    STEPS_PER_EPOCH, killed_during_overwrite_worker, killed_while_saving_worker, rank_zero_only_save_worker, runs_worker,
+)
 from lightning_runs import GLOBAL_BATCH, TokenDataset, build_model  # noqa: E402
 
 SAVED = "epoch=0-step=10.ckpt"
@@ -67,7 +69,8 @@ def test_each_rank_writes_its_own_pieces_and_the_metadata_names_the_plan(two_ran
     metadata = checkpoint.read_metadata(directory)
     assert (metadata["recipe"], metadata["world_size"], len(metadata["plan_hash"])) == ("tp", 2, 64)
     assert sorted(metadata["files"]) == ["common.pt", "rank00000-of-00002.pt", "rank00001-of-00002.pt"]
-    ranks = [torch.load(directory / checkpoint.rank_file_name(rank, 2), weights_only=True) for rank in range(2)]
+    files = checkpoint.current_save(directory)[0]
+    ranks = [torch.load(files / checkpoint.rank_file_name(rank, 2), weights_only=True) for rank in range(2)]
     # tp splits the FFN's first linear by rows: each rank writes one half, and no element twice.
     halves = [[piece for piece in rank["model"] if piece["key"] == "blocks.0.mlp.fc1.weight"] for rank in ranks]
     assert [len(pieces) for pieces in halves] == [1, 1]
@@ -75,7 +78,8 @@ def test_each_rank_writes_its_own_pieces_and_the_metadata_names_the_plan(two_ran
     model_elements = sum(value.numel() for value in build_model().state_dict().values())
     written = sum(piece["value"].numel() for rank in ranks for piece in rank["model"])
     assert written <= model_elements  # a replicated box is written by one rank only (tied weights once)
-    assert not list(saved.glob(".*partial*")), "no partial directory is left after a finished save"
+    assert checkpoint.describe(directory, verify=True)["leftovers"] == [], "nothing is left over after a finished save"
+    assert [record["hash"] for record in metadata["files"].values()] and all(rank["save"]["global_step"] == STEPS_PER_EPOCH for rank in ranks)
 
 
 @pytest.mark.timeout(600)
@@ -97,9 +101,31 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path: Pat
         launch(killed_while_saving_worker, 2, str(tmp_path), timeout=240, collective_timeout=20)
     first = tmp_path / SAVED
     assert checkpoint.load(first)["global_step"] == STEPS_PER_EPOCH
-    assert not (tmp_path / "epoch=1-step=20.ckpt").exists()
-    partial, = tmp_path.glob(".epoch=1-step=20.ckpt.partial-*")
-    with pytest.raises(checkpoint.CheckpointError, match="not a finished lightning-nnscaler checkpoint"):
-        checkpoint.load(partial)
-    info = subprocess.run(["lightning-nnscaler", "ckpt", "info", str(first)], capture_output=True, text=True, timeout=120)
+    second = tmp_path / "epoch=1-step=20.ckpt"
+    partial, = second.glob(".partial-*")  # the interrupted save, never loaded; the next save to that path removes it
+    with pytest.raises(checkpoint.CheckpointError, match=r"has no CURRENT: it is not a finished lightning-nnscaler checkpoint .*\.partial-"):
+        checkpoint.load(second)
+    info = subprocess.run(["lightning-nnscaler", "ckpt", "info", "--verify", str(first)], capture_output=True, text=True, timeout=120)
     assert info.returncode == 0 and json.loads(info.stdout)["recipe"] == "tp"
+    refused = subprocess.run(["lightning-nnscaler", "ckpt", "info", str(second)], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1 and ".partial-" in refused.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_save_called_on_rank_0_only_is_refused_by_name(tmp_path: Path) -> None:
+    message = launch(rank_zero_only_save_worker, 2, str(tmp_path / "manual.ckpt"), timeout=240, collective_timeout=60)[0]
+    assert "every rank must call trainer.save_checkpoint" in message and "not only rank 0" in message, message
+    assert not (tmp_path / "manual.ckpt").exists()
+
+
+@pytest.mark.timeout(600)
+def test_a_run_killed_while_overwriting_last_ckpt_resumes_from_it(two_ranks: dict, tmp_path: Path) -> None:
+    with pytest.raises(LaunchError):
+        launch(killed_during_overwrite_worker, 2, str(tmp_path), timeout=240, collective_timeout=20)
+    last = tmp_path / "last.ckpt"
+    assert checkpoint.load(last)["global_step"] == STEPS_PER_EPOCH  # the old save: killed before the switch
+    assert checkpoint.describe(last)["leftovers"], "the interrupted save's directory is listed"
+    runs = [("resumed from last", "nnscaler_tp", 2, {"resume_from": str(last), "validate": False})]
+    resumed = launch(runs_worker, 2, runs, timeout=280)[0]["resumed from last"]
+    expected = two_ranks["uninterrupted tp"]["losses"][STEPS_PER_EPOCH:]
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(expected), rtol=1e-5, atol=1e-6)

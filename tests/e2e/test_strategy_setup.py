@@ -105,7 +105,6 @@ def _config() -> Any:
     [
         (Untraceable, GLOBAL_BATCH * 2, True, r"could not plan Untraceable.training_step with recipe 'dp'.*cannot capture"),
         (ManualOptimization, GLOBAL_BATCH * 2, True, r"manual optimization is not supported: remove `self.automatic_optimization = False`"),
-        (ScheduledGPT, GLOBAL_BATCH + 2, False, r"planned for \[\(4, 16\), \(4, 16\)\].*set drop_last=True"),
     ],
 )
 def test_what_cannot_run_raises_naming_the_fix(one_rank_group: None, model_class: type, samples: int, drop_last: bool, message: str) -> None:

@@ -1,5 +1,6 @@
 """The sharded checkpoint format (lightning_nnscaler.checkpoint) in one process: atomic commit,
-incomplete or damaged directories refused, and assembly of boxes, ZeRO chunks and tied keys."""
+incomplete or damaged directories refused, and assembly of boxes, ZeRO chunks and tied keys.
+(Fault injection, save by save and step by step: test_checkpoint_faults.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 import torch
 
 from lightning_nnscaler import checkpoint
-from lightning_nnscaler.checkpoint import COMMON, CheckpointError, commit, partial_directory, rank_file_name, rank_payload, write_atomically
+from lightning_nnscaler.checkpoint import (
+    COMMON, SAVE_RECORD, CheckpointError, commit, partial_directory, rank_file_name, rank_payload, save_directory, write_atomically,
+)
 from lightning_nnscaler.ir.box import PieceLocation
 
 WEIGHT = torch.arange(24.0).reshape(4, 6)
@@ -39,10 +42,12 @@ def _write(path: Path, token: str, scale: float = 1.0) -> Path:
          [[(PieceLocation("weight", ((2, 4), (0, 6))), {"step": torch.tensor(3.0), "exp_avg": WEIGHT[2:] * 2}),
            (PieceLocation("bias", ((0, 4),), (1, 3)), {"step": torch.tensor(3.0), "exp_avg": torch.cat([moments[3:], torch.zeros(2)])})]]),
     ]
+    save = {"token": token, "world_size": 2, "global_step": int(scale)}
     for rank, (model, optimizers) in enumerate(rank_pieces):
-        write_atomically(rank_payload(model, optimizers), partial / rank_file_name(rank, 2))
+        write_atomically(rank_payload(model, optimizers, save={**save, "rank": rank}), partial / rank_file_name(rank, 2))
     groups = [{"lr": 0.1, "params": [0, 1]}]
-    write_atomically({"global_step": int(scale), "pytorch-lightning_version": lightning.__version__, "optimizer_states": [{"param_groups": groups}]}, partial / COMMON)
+    common = {"global_step": int(scale), "pytorch-lightning_version": lightning.__version__, "optimizer_states": [{"param_groups": groups}]}
+    write_atomically({**common, SAVE_RECORD: {**save, "rank": 0}}, partial / COMMON)
     return partial
 
 
@@ -72,17 +77,18 @@ def test_a_new_checkpoint_replaces_one_of_the_same_name_only_when_complete(tmp_p
     commit(_write(path, "a"), path, _metadata())
     unfinished = _write(path, "b", scale=2.0)  # every file written, but the save stopped before its commit
     assert checkpoint.load(path)["global_step"] == 1
-    with pytest.raises(CheckpointError, match="no metadata.json: it is not a finished"):
+    with pytest.raises(CheckpointError, match="has no CURRENT: it is not a finished"):
         checkpoint.load(unfinished)
     commit(unfinished, path, _metadata())
     assert checkpoint.load(path)["global_step"] == 2
-    assert [child.name for child in tmp_path.iterdir()] == ["last.ckpt"]  # the earlier one is gone
+    assert [child.name for child in tmp_path.iterdir()] == ["last.ckpt"]
+    assert sorted(child.name for child in path.iterdir()) == ["CURRENT", "save-b"]  # the earlier save is gone
 
 
 def test_a_damaged_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "epoch=0.ckpt"
     commit(_write(path, "a"), path, _metadata())
-    (path / rank_file_name(1, 2)).write_bytes(b"truncated")
+    (save_directory(path, "a") / rank_file_name(1, 2)).write_bytes(b"truncated")
     with pytest.raises(CheckpointError, match=r"rank00001-of-00002.pt is 9 bytes; the metadata says \d+ bytes"):
         checkpoint.load(path)
 
@@ -90,7 +96,7 @@ def test_a_damaged_file_is_refused(tmp_path: Path) -> None:
 def test_a_tensor_no_piece_covers_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "epoch=0.ckpt"
     partial = _write(path, "a")
-    write_atomically(rank_payload([], [[]]), partial / rank_file_name(1, 2))  # rank 1's rows are lost
+    write_atomically(rank_payload([], [[]], save={"token": "a", "rank": 1, "world_size": 2}), partial / rank_file_name(1, 2))  # rank 1's rows are lost
     commit(partial, path, _metadata())
     with pytest.raises(CheckpointError, match="do not hold all of 'weight'"):
         checkpoint.load(path)

@@ -19,6 +19,7 @@ ALLOWED: dict[str, set[str]] = {
     "recipes": set(),
     "capture": {"ir"},
     "primitives": {"ir"},
+    "schedules": {"ir"},
     "plans": {"ir", "primitives"},
     "materialize": {"ir"},
     "codegen": {"ir", "materialize"},

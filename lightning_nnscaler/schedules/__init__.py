@@ -1,0 +1,36 @@
+"""Pipeline schedules as plain data (DESIGN.md §8): generators, lowering, validation, rendering, metrics.
+
+A generator gives compute-only per-rank lists (``one_f_one_b(4, 8).as_text()``); ``lower`` inserts the
+SEND/RECV actions; ``validate`` runs all lists symbolically and raises ``ScheduleError`` with the
+step × rank grid when the schedule would hang or mispair messages. Nothing here imports torch.
+"""
+
+from lightning_nnscaler.schedules.actions import Action, Kind, Schedule, Timeline
+from lightning_nnscaler.schedules.gpipe import gpipe
+from lightning_nnscaler.schedules.interleaved import interleaved
+from lightning_nnscaler.schedules.lower import lower
+from lightning_nnscaler.schedules.metrics import Durations, bubble_fraction, peak_in_flight, theoretical_bubble_fraction
+from lightning_nnscaler.schedules.one_f_one_b import one_f_one_b
+from lightning_nnscaler.schedules.render import grid
+from lightning_nnscaler.schedules.validate import ScheduleError, execute, validate
+from lightning_nnscaler.schedules.zero_bubble import zb1
+
+__all__ = [
+    "Action",
+    "Durations",
+    "Kind",
+    "Schedule",
+    "ScheduleError",
+    "Timeline",
+    "bubble_fraction",
+    "execute",
+    "gpipe",
+    "grid",
+    "interleaved",
+    "lower",
+    "one_f_one_b",
+    "peak_in_flight",
+    "theoretical_bubble_fraction",
+    "validate",
+    "zb1",
+]
