@@ -12,9 +12,9 @@ import torch
 import lightning_nnscaler  # noqa: F401 - before lightning (keeps torchvision importable)
 
 import lightning as L  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
+from batch_runs import BatchRecorder  # noqa: E402 - the same per-step recorder
 from lightning_runs import TokenDataset, build_model  # noqa: E402
 
 REPLICA_BATCH = 2
@@ -29,22 +29,10 @@ def cut_to_varying_length(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> t
     return tokens[:, :length].contiguous(), targets[:, :length].contiguous()
 
 
-class RaggedRecorder(Callback):
-    """Per step: the logged ``train_loss`` (``sync_dist=True``) and this rank's batch (its tokens)."""
-
-    def __init__(self) -> None:
-        self.logged: list[float] = []
-        self.batches: list[list[list[int]]] = []
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.logged.append(float(trainer.callback_metrics["train_loss"]))
-        self.batches.append(batch[0].tolist())
-
-
 def ragged_fit(strategy: str, devices: int, varying_length: bool = False) -> dict[str, Any]:
     """One epoch over ``SAMPLES`` samples, in order, the last batch ragged; only ``strategy`` changes."""
     torch.manual_seed(0)
-    recorder = RaggedRecorder()
+    recorder = BatchRecorder()
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
