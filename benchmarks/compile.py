@@ -1,11 +1,14 @@
-"""Compile time: trace + plan + materialize + codegen for GPT-2 124M.
+"""Compile time: trace + plan + materialize + codegen for GPT-2 124M, and op_order at scale.
 
-Goals on a 2-core machine: tp=8 < 5 s; dp x tp on 128 ranks (dp=16, tp=8) < 30 s.
-Run: python benchmarks/compile.py
+Goals on a 2-core machine: tp=8 < 5 s; dp x tp on 128 ranks (dp=16, tp=8) < 30 s; a pipeline
+schedule over a ~35k-piece plan added with one op_orders call, not one re-sort per edge.
+Run: python benchmarks/compile.py [--only compile|op_order]
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import time
 
 import torch
@@ -38,7 +41,8 @@ def timed(model: GPT, batch: tuple, recipe: str, world_size: int, **params: int)
     return time.perf_counter() - start, stages
 
 
-def main() -> None:
+def compile_table() -> None:
+    """Seconds per compile stage for GPT-2 124M, tp=8 and dp=16 x tp=8."""
     torch.manual_seed(0)
     model = GPT(GPTConfig.gpt2_124m())
     batch = model.example_batch(16)
@@ -51,6 +55,88 @@ def main() -> None:
             f"{label:<26} {stages['trace']:7.2f} {stages['plan']:7.2f} {stages['materialize']:12.2f} "
             f"{stages['codegen']:8.2f} {total:8.2f} {goal:6.1f} {total / goal:10.2f}"
         )
+
+
+OP_ORDER_COMPLEXITY = (
+    "op_orders(graph, edges): O(k) to add k edges + one stable_topological_order, O((V + E) log V) for V ops and"
+    " E edges (order edges + data dependencies; data dependencies found in O(R log B) for R pieces read and"
+    " B pieces per tensor, when pieces tile a dim); op_order per edge: k re-sorts, O(k (V + E) log V)"
+)
+
+
+def pipeline_plan(layers: int, stages: int = 4, microbatches: int = 8) -> tuple[lnn.Graph, list[tuple[str, str]]]:
+    """A small-width GPT of ``layers`` layers cut into microbatch pieces, stage ``s`` on device ``s``, and
+    the edges of a schedule that runs each device's segments microbatch after microbatch.
+
+    forward(s, mb) is the mb-th piece of every op of stage s (a contiguous range of ops); its ops run in a
+    chain, and its last op runs before the first op of forward(s, mb + 1): about one edge per piece.
+    Replicated ops (the batch split does not reach them) and ops whose pieces read other microbatches' pieces
+    (the loss summed over microbatches) are left to the data dependencies.
+    """
+    from lightning_nnscaler.ir.validate import data_dependencies
+    from lightning_nnscaler.plans.dp import split_batch
+
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(GPTConfig.small(), layers=layers))
+    graph = lnn.trace(model, model.example_batch(microbatches), step="training_step")
+    pieces_per_op = split_batch(graph, microbatches)
+    reads = data_dependencies(graph)
+    pieces_per_op = [pieces for pieces in pieces_per_op if _microbatch_local(pieces, reads)]
+    edges = []
+    for stage in range(stages):
+        ops = pieces_per_op[stage * len(pieces_per_op) // stages : (stage + 1) * len(pieces_per_op) // stages]
+        for pieces in ops:
+            for piece in pieces:
+                lnn.op_assign(graph, piece, stage)
+        sequence = [pieces[microbatch].name for microbatch in range(microbatches) for pieces in ops]
+        edges += list(zip(sequence, sequence[1:]))
+    return graph, edges
+
+
+def _microbatch_local(pieces: list[lnn.Op], reads: dict[str, list[str]]) -> bool:
+    """Whether the pieces of an op write distinct batch slices and piece ``mb`` reads only pieces ``mb``
+    of other ops (pieces are named ``<op>.<mb>``)."""
+    distinct = len({piece.outputs[0].index for piece in pieces}) == len(pieces)
+    return distinct and all(producer.endswith(f".{mb}") for mb, piece in enumerate(pieces) for producer in reads[piece.name])
+
+
+def op_order_row(layers: int, sampled_edges: int) -> tuple[int, int, float, float, float]:
+    """Pieces, edges, seconds of one op_orders call, seconds per op_order call (over the first
+    ``sampled_edges`` edges) and that per-edge time times the edges (a lower bound: later calls
+    re-sort more edges)."""
+    from lightning_nnscaler.primitives import op_order, op_orders
+
+    graph, edges = pipeline_plan(layers)
+    at_once = graph.copy()
+    start = time.perf_counter()
+    op_orders(at_once, edges)
+    once = time.perf_counter() - start
+    one_by_one = graph.copy()
+    start = time.perf_counter()
+    for before, after in edges[:sampled_edges]:
+        op_order(one_by_one, before, after)
+    per_edge = (time.perf_counter() - start) / sampled_edges
+    return len(graph.ops), len(edges), once, per_edge, per_edge * len(edges)
+
+
+def op_order_table() -> None:
+    """op_orders once vs op_order per edge, for a ~4k-piece and a ~35k-piece pipeline plan."""
+    print("op_order at scale: GPT (width 32, seq 16) x 8 microbatches x 4 stages, schedule edges = one chain per device")
+    print(f"complexity: {OP_ORDER_COMPLEXITY}")
+    print(f"{'pieces':>7} {'edges':>7} {'op_orders s':>12} {'op_order s/edge':>16} {'per edge x edges s':>19} {'ratio':>8}")
+    for layers, sampled_edges in ((22, 16), (196, 4)):
+        pieces, edges, once, per_edge, one_by_one = op_order_row(layers, sampled_edges)
+        print(f"{pieces:7d} {edges:7d} {once:12.2f} {per_edge:16.3f} {one_by_one:19.0f} {one_by_one / once:8.0f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("compile", "op_order"), help="run one table (default: both)")
+    only = parser.parse_args().only
+    if only in (None, "compile"):
+        compile_table()
+    if only in (None, "op_order"):
+        op_order_table()
 
 
 if __name__ == "__main__":

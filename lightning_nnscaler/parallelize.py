@@ -21,6 +21,7 @@ from lightning_nnscaler.ir.tensor import dtype_bytes
 from lightning_nnscaler.ir.validate import PlanError
 from lightning_nnscaler.materialize.dependencies import materialize
 from lightning_nnscaler.materialize.program import Collective, Compute, Program, Recv
+from lightning_nnscaler.plans.context import PipelinePlan
 from lightning_nnscaler.plans.layout import RecipeLayout, single_replica
 from lightning_nnscaler.runtime.comm import Communicator
 from lightning_nnscaler.runtime.executor import RankExecutor, merge_gradients
@@ -57,6 +58,8 @@ class Plan:
     zero_stage: int = 0
     layout: RecipeLayout | None = None
     """The recipe's layout: which data-parallel replica each rank belongs to (one replica when None)."""
+    pipeline: PipelinePlan | None = None
+    """A pipelined plan's schedule (None: one forward and one backward per rank)."""
     _reference: Any = field(default=None, repr=False)
     step_values: StepValues = field(default_factory=StepValues)
     """The plain attributes the traced training_step read; ``check(module)`` before each step (none for forward)."""
@@ -198,7 +201,7 @@ def parallelize(
     check_coverage(planned, graph, world_size, recipe=recipe, allow_partial=allow_partial, refusals=refusals)
     plan = build_plan(
         module, example_args, step, graph, planned, world_size, recipe=recipe, params=params, zero_stage=context.zero_stage,
-        validated=True, communication_cost=communication_cost, layout=context.layout,
+        validated=True, communication_cost=communication_cost, layout=context.layout, pipeline=context.pipeline,
     )
     plan.step_values = step_values
     return plan
@@ -207,13 +210,14 @@ def parallelize(
 def build_plan(
     module: nn.Module, example_args: Any, step: str | None, graph: Graph, planned: Graph, world_size: int,
     *, recipe: str = "custom", params: dict[str, Any] | None = None, zero_stage: int = 0, validated: bool = False,
-    communication_cost: Any = None, layout: RecipeLayout | None = None,
+    communication_cost: Any = None, layout: RecipeLayout | None = None, pipeline: PipelinePlan | None = None,
 ) -> Plan:
     """Materialize a graph planned by any means (a recipe or hand-written primitives) and generate code.
 
     ``validated=True`` when ``planned`` was just checked by ``validate_plan`` (``apply_recipe`` does).
     ``layout`` is the recipe's promise of data-parallel replicas (default: one replica, every rank
     loads the whole batch); each rank's batch pieces must lie inside its replica's rows.
+    ``pipeline`` is the schedule of a plan whose ops carry segments (``PlanContext.pipeline``).
 
     Raises:
         PlanError: a rank reads batch rows outside its replica's share (the layout does not match the plan).
@@ -221,10 +225,15 @@ def build_plan(
     params = dict(params or {})
     program = materialize(planned, world_size, validate=not validated, cost=communication_cost)
     check_batch_split(program, graph, layout or single_replica(world_size, {}), recipe)
-    plan_hash = digest("\n".join([CODEGEN_VERSION, str(world_size), str(zero_stage), str(graph), str(planned)]))
+    if program.pipelined and pipeline is None:
+        raise PlanError("the plan's ops carry pipeline segments but no schedule orders them: pass pipeline= (a PipelinePlan)")
+    schedules = [[str(action) for action in pipeline.actions(rank)] if pipeline else None for rank in range(world_size)]
+    plan_hash = digest("\n".join([CODEGEN_VERSION, str(world_size), str(zero_stage), str(graph), str(planned), str(schedules)]))
     label = f"recipe {recipe}" + (f" {params}" if params else "")
-    sources = [emit_rank(program, rank, plan_hash[:12], label, zero_stage) for rank in range(world_size)]
-    return Plan(module, example_args, step, recipe, params, world_size, graph, planned, program, sources, plan_hash, zero_stage, layout)
+    sources = [emit_rank(program, rank, plan_hash[:12], label, zero_stage, schedules[rank]) for rank in range(world_size)]
+    return Plan(
+        module, example_args, step, recipe, params, world_size, graph, planned, program, sources, plan_hash, zero_stage, layout, pipeline=pipeline,
+    )
 
 
 def check_batch_split(program: Program, graph: Graph, layout: RecipeLayout, recipe: str) -> None:

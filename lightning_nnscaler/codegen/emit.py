@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from lightning_nnscaler.codegen.names import with_safe_names
+from lightning_nnscaler.codegen.segments import boundary_lines, emit_segments, is_boundary
 from lightning_nnscaler.ir.printer import format_argument
 from lightning_nnscaler.materialize.program import Assemble, Collective, Compute, Program, RankProgram, Recv, Send, reads, writes
 
@@ -48,11 +49,13 @@ class _Name:
         return self.text
 
 
-def emit_rank(program: Program, rank: int, plan_hash: str, label: str, zero_stage: int = 0) -> str:
+def emit_rank(program: Program, rank: int, plan_hash: str, label: str, zero_stage: int = 0, schedule: list[str] | None = None) -> str:
     """The source of rank ``rank``'s module; ``zero_stage`` is the plan's ZeRO option for replicated boxes.
 
     Variables are named after graph tensors, renamed where that would shadow a name the module uses
-    (``codegen.names``).
+    (``codegen.names``). A pipelined program (``program.pipelined``) needs ``schedule``, this rank's
+    compute actions in order (``["0F0", "0F1", "0B0", ...]``): its module holds one function per
+    segment (``codegen.segments``) instead of ``forward``.
     """
     rank_program = with_safe_names(program.ranks[rank])
     lines = [HEADER.format(rank=rank, world_size=program.world_size, plan_hash=plan_hash, label=label)]
@@ -69,6 +72,15 @@ def emit_rank(program: Program, rank: int, plan_hash: str, label: str, zero_stag
     lines.append("]")
     lines.append(f"GROUPS = {program.communication_groups!r}  # every rank creates these, in this order")
     lines.append(f"ZERO_STAGE = {zero_stage}  # replicated boxes: 0 all-reduce, 1 sharded optimizer state, 3 sharded at rest")
+    if program.pipelined:
+        if schedule is None:
+            raise CodegenError(f"rank {rank}: a pipelined program needs its schedule (the rank's list of F/B/W actions)")
+        lines.append("OUTPUTS = [  # (graph output, variable, starts backward, segment)")
+        for output in rank_program.outputs:
+            lines.append(f"    ({output.name!r}, {output.var!r}, {output.seed!r}, {output.segment!r}),")
+        lines.append("]")
+        lines.extend(emit_segments(program, rank_program, schedule, _body))
+        return "\n".join(lines) + "\n"
     lines.append("OUTPUTS = [  # (graph output, variable, starts backward)")
     for output in rank_program.outputs:
         lines.append(f"    ({output.name!r}, {output.var!r}, {output.seed!r}),")
@@ -105,6 +117,8 @@ def _body(program: RankProgram) -> list[str]:
 
 
 def _action_lines(action: Any) -> list[str]:
+    if is_boundary(action):
+        return boundary_lines(action)
     if isinstance(action, Compute):
         return [_compute_line(action)]
     if isinstance(action, Send):

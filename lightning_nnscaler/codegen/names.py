@@ -22,9 +22,11 @@ from lightning_nnscaler.materialize.program import Action, Assemble, Collective,
 MODULE_NAMES = frozenset({
     "torch", "comm", "assemble", "checkpoint", "zeros", "aten", "DEVICE", "RANK", "WORLD_SIZE", "HELD",
     "GRADIENT_GROUPS", "GROUPS", "ZERO_STAGE", "OUTPUTS", "forward", "held", "communicator", "token",
+    # pipelined plans (codegen.segments)
+    "SCHEDULE", "SEGMENTS", "BOUNDARY_IN", "BOUNDARY_OUT", "prologue", "shared", "received",
 })
 RESERVED = frozenset(keyword.kwlist) | frozenset(keyword.softkwlist) | frozenset(dir(builtins)) | MODULE_NAMES
-_RECOMPUTE_FUNCTION = re.compile(r"recompute_\d+")
+_RECOMPUTE_FUNCTION = re.compile(r"recompute_\d+|stage\d+_microbatch\d+")
 
 
 def is_reserved(name: str) -> bool:

@@ -15,6 +15,10 @@ Argument = Any
 """A VTensor, a constant (number, bool, None, str, dtype, device, ...), or a list/tuple of them."""
 
 
+PROLOGUE = (-1, 0)
+"""The segment of a pipelined plan's step prologue: ops that need no gradient and no other segment."""
+
+
 @dataclass(frozen=True, eq=False)
 class Op:
     """One operator call of the graph.
@@ -31,6 +35,10 @@ class Op:
         origin: For a piece, the name of the op in the captured graph it came from.
         recompute: Ops of one device sharing this group number keep no activations for backward:
             their forward runs again during backward (activation checkpointing), e.g. co-shard.
+        segment: ``(stage, microbatch)`` of a pipelined plan: the ops of one segment on a device
+            form one function that the schedule runs forward (F) and backward (B, W) as a unit;
+            ``PROLOGUE`` for ops that read only the batch and constants (no gradient), run once
+            per step before any segment; ``None`` when the plan is not pipelined.
     """
 
     name: str
@@ -43,6 +51,7 @@ class Op:
     no_grad: bool = False
     origin: str | None = None
     recompute: int | None = None
+    segment: tuple[int, int] | None = None
 
     @functools.cached_property
     def tensor_inputs(self) -> list[VTensor]:

@@ -27,7 +27,7 @@ from lightning_nnscaler.ir.tensor import TENSOR_ROLES, IndexMask, PTensor, Value
 
 _NAME = r"[A-Za-z_][\w.]*"
 _TENSOR_LINE = re.compile(rf'^tensor %({_NAME}): (\w+)\[([\d, ]*)\] (\w+)(?: "([^"]*)")?( grad)?$')
-_OP_LINE = re.compile(rf"^op ({_NAME})(?: @(\d+))?( nograd)?(?: from ({_NAME}))?(?: recompute (\d+))? = ({_NAME})\((.*)\) -> (.*)$")
+_OP_LINE = re.compile(rf"^op ({_NAME})(?: @(\d+))?( nograd)?(?: from ({_NAME}))?(?: recompute (\d+))?(?: segment (-?\d+)\.(\d+))? = ({_NAME})\((.*)\) -> (.*)$")
 _REFERENCE = re.compile(rf"%({_NAME})(\[[\d:, ]*\])?(\{{\d+/\d+\}})?")
 
 
@@ -71,6 +71,8 @@ def format_op(op: Op) -> str:
         head += f" from {op.origin}"
     if op.recompute is not None:
         head += f" recompute {op.recompute}"
+    if op.segment is not None:
+        head += f" segment {op.segment[0]}.{op.segment[1]}"
     line = f"{head} = {op.target}({', '.join(arguments)}) -> {', '.join(map(str, op.outputs))}"
     if op.annotation is not None:
         line += f" :: {json.dumps(op.annotation)}"
@@ -145,8 +147,8 @@ def _parse_op(graph: Graph, line: str) -> Op:
         body, annotation = line, None
     match = _OP_LINE.match(body)
     if match is None:
-        raise IRParseError("expected 'op name [@device] [nograd] [from origin] [recompute group] = target(args) -> outputs [:: \"annotation\"]'")
-    name, device, no_grad, origin, recompute, target, arguments_text, outputs_text = match.groups()
+        raise IRParseError("expected 'op name [@device] [nograd] [from origin] [recompute group] [segment stage.microbatch] = target(args) -> outputs [:: \"annotation\"]'")
+    name, device, no_grad, origin, recompute, stage, microbatch, target, arguments_text, outputs_text = match.groups()
     args, kwargs = _evaluate(graph, f"_call({arguments_text})")
     outputs = _evaluate(graph, f"({outputs_text},)") if outputs_text.strip() else ()
     return Op(
@@ -160,6 +162,7 @@ def _parse_op(graph: Graph, line: str) -> Op:
         no_grad=bool(no_grad),
         origin=origin,
         recompute=None if recompute is None else int(recompute),
+        segment=None if stage is None else (int(stage), int(microbatch)),
     )
 
 

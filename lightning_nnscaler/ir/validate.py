@@ -11,6 +11,7 @@ contradicts data dependencies or order edges (``op_order`` calls it after adding
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import defaultdict
 
@@ -106,8 +107,12 @@ def find_cycle(node_names: list[str], edges: dict[str, list[str]]) -> list[str] 
 def stable_topological_order(graph: Graph) -> list[Op]:
     """``graph.ops`` reordered to respect data dependencies and order edges, moving as little as possible.
 
-    Kahn's algorithm that always takes the ready op that comes first in the current list, so an
-    already valid list comes back unchanged.
+    Kahn's algorithm that always takes the ready op that comes first in the current list (a heap
+    keyed by list position), so an already valid list comes back unchanged.
+
+    Complexity: O((V + E) log V) for V ops and E edges (order edges plus data dependencies); finding
+    the data dependencies costs O(R log B) for R input pieces read and at most B pieces written per
+    tensor (plus the overlaps found). ``op_orders`` adds many edges with one call of this.
 
     Raises:
         UnknownOpError: An order edge names an op that is not in the graph.
@@ -204,10 +209,15 @@ def check_no_idle_rank(graph: Graph, world_size: int) -> None:
 def _data_edges(graph: Graph) -> dict[str, dict[str, str]]:
     """consumer op name -> {producer op name: name of the first tensor it reads from that producer}."""
     # tensor name -> index box -> ops writing it (value shares of one box share an entry)
+    # A piece written exactly (same box and value part) is read from its writers alone, as
+    # materialization does: microbatch k's share of a loss depends on microbatch k only.
     producers: dict[str, dict[IndexMask, list[str]]] = defaultdict(lambda: defaultdict(list))
+    exact: dict[tuple[str, IndexMask, object], list[str]] = defaultdict(list)
     for op in graph.ops:
         for piece in op.outputs:
             producers[piece.name][piece.index].append(op.name)
+            exact[(piece.name, piece.index, piece.value)].append(op.name)
+    writers = {name: _BoxIndex(boxes) for name, boxes in producers.items()}
     # Many consumers read the same piece (replicated or sibling ops): look each piece up once.
     overlapping: dict[tuple[str, IndexMask], list[str]] = {}
     edges: dict[str, dict[str, str]] = {}
@@ -216,13 +226,49 @@ def _data_edges(graph: Graph) -> dict[str, dict[str, str]]:
         for piece in op.tensor_inputs:
             key = (piece.name, piece.index)
             if key not in overlapping:
-                boxes = producers.get(piece.name, {})
-                overlapping[key] = [name for box in boxes if _boxes_overlap(box, piece.index) for name in boxes[box]]
-            for producer in overlapping[key]:
+                overlapping[key] = writers[piece.name].writers(piece.index) if piece.name in writers else []
+            for producer in exact.get((piece.name, piece.index, piece.value)) or overlapping[key]:
                 if producer != op.name:
                     reads.setdefault(producer, piece.name)
         edges[op.name] = reads
     return edges
+
+
+class _BoxIndex:
+    """The boxes written to one tensor, sorted along the dim they are most split on, to find overlaps.
+
+    A query looks only at the boxes whose start on that dim lies in ``(start - widest, stop)``, found
+    by bisection, so for pieces that tile a dim (what op_trans makes) a lookup costs O(log B + k) for
+    B boxes and k overlaps, not a scan of all B: reading every piece of a tensor cut in B pieces is
+    O(B log B), not O(B²).
+    """
+
+    _SCAN_BELOW = 8  # fewer boxes than this are scanned in full
+
+    def __init__(self, boxes: dict[IndexMask, list[str]]) -> None:
+        self.boxes = list(boxes)  # insertion (graph) order: the order writers are reported in
+        self.names = list(boxes.values())
+        self.dim = _most_split_dim(self.boxes) if len(self.boxes) >= self._SCAN_BELOW else None
+        if self.dim is not None:
+            self.by_start = sorted(range(len(self.boxes)), key=lambda position: self.boxes[position].ranges[self.dim][0])
+            self.starts = [self.boxes[position].ranges[self.dim][0] for position in self.by_start]
+            self.widest = max(stop - start for start, stop in (box.ranges[self.dim] for box in self.boxes))
+
+    def writers(self, query: IndexMask) -> list[str]:
+        """Names of the ops writing a box that overlaps ``query``, in graph order of their boxes."""
+        if self.dim is None:
+            positions = [p for p, box in enumerate(self.boxes) if _boxes_overlap(box, query)]
+        else:
+            start, stop = query.ranges[self.dim]
+            candidates = self.by_start[bisect.bisect_right(self.starts, start - self.widest) : bisect.bisect_left(self.starts, stop)]
+            positions = sorted(p for p in candidates if _boxes_overlap(self.boxes[p], query))
+        return [name for position in positions for name in self.names[position]]
+
+
+def _most_split_dim(boxes: list[IndexMask]) -> int | None:
+    """The dim with the most distinct ranges among ``boxes`` (``None`` for scalars)."""
+    dims = range(len(boxes[0].ranges))
+    return max(dims, key=lambda dim: len({box.ranges[dim] for box in boxes}), default=None)
 
 
 def _boxes_overlap(first: IndexMask, second: IndexMask) -> bool:

@@ -6,6 +6,12 @@ or a send on its producer's rank and a receive here), placed into the piece, and
 added up. A value part ``k > 0`` of a whole tensor is exact zeros and needs no data. Graph inputs
 (parameters, buffers, constants, user inputs) are held locally: each rank holds the bounding box
 of what its ops read, and ranks holding the same parameter box form a gradient group.
+
+Pipelined plans (ops carry a ``segment``): a rank's variables live in the function of their
+segment, so pieces are looked up per segment (the prologue's and the held inputs are visible to
+all). A piece produced in another segment — on this rank or another — arrives as a boundary
+message (see ``program``); one produced by the prologue of another rank is received in this
+rank's prologue, once.
 """
 
 from __future__ import annotations
@@ -14,17 +20,17 @@ import itertools
 from collections import defaultdict
 
 from lightning_nnscaler.ir.graph import Graph
-from lightning_nnscaler.ir.tensor import IndexMask, ValueMask, VTensor, covers_exactly
+from lightning_nnscaler.ir.tensor import IndexMask, PTensor, ValueMask, VTensor, covers_exactly
 from lightning_nnscaler.ir.validate import validate_plan
-from lightning_nnscaler.ir.op import Op
+from lightning_nnscaler.ir.op import PROLOGUE, Op
 from lightning_nnscaler.materialize.collectives import collective_path, group_of
 from lightning_nnscaler.materialize.early_sends import issue_sends_early
 from lightning_nnscaler.materialize.program import (
-    Assemble, Collective, Compute, Fragment, GradientGroup, LocalTensor, Program, RankOutput, RankProgram, Recv, Send, box_of,
+    Assemble, Collective, Compute, Fragment, GradientGroup, LocalTensor, Program, RankOutput, RankProgram, Recv, Segment, Send, box_of,
 )
 from lightning_nnscaler.materialize.search import CostModel
 
-PieceKey = tuple[str, IndexMask, object]
+PieceKey = tuple[Segment, str, IndexMask, object]
 
 
 class MaterializeError(ValueError):
@@ -65,6 +71,13 @@ class _Builder:
         self.used_names: list[set[str]] = [set() for _ in range(world_size)]
         self.held: dict[tuple[int, str], tuple[str, IndexMask]] = {}
         self.tags = itertools.count(1)
+        self.segment_of: dict[tuple[int, str], Segment] = {}  # (rank, variable) -> segment defining it
+        self.prologue_received: dict[tuple[int, str, tuple, int], str] = {}
+        self.pipelined = any(op.segment is not None for op in graph.ops)
+        if self.pipelined:
+            loose = [op.name for op in graph.ops if op.segment is None]
+            if loose:
+                raise MaterializeError(f"a pipelined plan must give every op a segment; {_first(loose)} have none")
 
     def var(self, rank: int, base: str) -> str:
         name = "".join(c if c.isalnum() or c == "_" else "_" for c in base)
@@ -87,12 +100,14 @@ class _Builder:
             self.programs[rank].actions.append(Compute(position, op, input_vars, output_vars))
             for output, var in zip(op.outputs, output_vars):
                 self.written[output.name].append((output, rank, var, position))
-                self.cache[rank].setdefault((output.name, output.index, output.value), var)
+                self.segment_of[(rank, var)] = op.segment
+                self.cache[rank].setdefault((op.segment, output.name, output.index, output.value), var)
         self.collect_outputs()
         ordered_ops = {name for edge in self.graph.order_edges for name in edge}
         for program in self.programs:
             program.actions.sort(key=_action_order)
-            issue_sends_early(program, ordered_ops)
+            if not self.pipelined:  # segments keep their actions; the prologue already runs first
+                issue_sends_early(program, ordered_ops)
         return Program(len(self.programs), self.programs, self.gradient_groups())
 
     # --- graph inputs -------------------------------------------------------------------------
@@ -126,21 +141,30 @@ class _Builder:
     # --- pieces ---------------------------------------------------------------------------------
 
     def obtain(self, rank: int, piece: VTensor, position: int, reader: Op, input_index: int) -> str:
-        key = (piece.name, piece.index, piece.value)
+        segment = reader.segment
+        key = (segment, piece.name, piece.index, piece.value)
+        prologue_key = (PROLOGUE, *key[1:])
         if key in self.cache[rank]:
             return self.cache[rank][key]
+        if self.pipelined and prologue_key in self.cache[rank]:
+            return self.cache[rank][prologue_key]
         if self.graph.tensors[piece.name].role != "activation":
-            var = self.slice_held(rank, piece, position)
+            var = self.slice_held(rank, piece, position, segment)
         elif self.collectives and self.route_collectively(piece, position, reader, input_index):
             return self.cache[rank][key]
         else:
-            var = self.fetch(rank, piece, position, reader.name)
+            var = self.fetch(rank, piece, position, reader.name, segment)
         self.cache[rank][key] = var
         return var
 
-    def slice_held(self, rank: int, piece: VTensor, position: int) -> str:
+    def visible(self, rank: int, var: str, segment: Segment) -> bool:
+        """Whether a function of ``segment`` on ``rank`` can read ``var`` (its own, or the prologue's)."""
+        defined_in = self.segment_of.get((rank, var))
+        return defined_in == segment or defined_in == PROLOGUE
+
+    def slice_held(self, rank: int, piece: VTensor, position: int, segment: Segment = None) -> str:
         if piece.value.part > 0:
-            return self.zeros(rank, piece, position)
+            return self.zeros(rank, piece, position, segment)
         held_var, box = self.held[(rank, piece.name)]
         if piece.index == box:
             return held_var
@@ -148,19 +172,21 @@ class _Builder:
         full = tuple(slice(0, size) for size in piece.shape)
         var = self.var(rank, f"{piece.name}_piece")
         fragment = Fragment(held_var, region, full, whole=False)
-        self.programs[rank].actions.append(Assemble(position - 0.25, var, piece, (fragment,)))
+        self.programs[rank].actions.append(Assemble(position - 0.25, var, piece, (fragment,), segment=segment))
+        self.segment_of[(rank, var)] = segment
         return var
 
-    def zeros(self, rank: int, piece: VTensor, position: int) -> str:
+    def zeros(self, rank: int, piece: VTensor, position: int, segment: Segment = None) -> str:
         var = self.var(rank, f"{piece.name}_zero_part")
-        self.programs[rank].actions.append(Assemble(position - 0.25, var, piece, (), zeros=True))
+        self.programs[rank].actions.append(Assemble(position - 0.25, var, piece, (), zeros=True, segment=segment))
+        self.segment_of[(rank, var)] = segment
         return var
 
-    def fetch(self, rank: int, piece: VTensor, position: int, reader: str) -> str:
+    def fetch(self, rank: int, piece: VTensor, position: int, reader: str, segment: Segment = None) -> str:
         written = self.written.get(piece.name, [])
         exact = [entry for entry in written if entry[0].index == piece.index and entry[0].value == piece.value]
         if not exact and piece.value.part > 0:
-            return self.zeros(rank, piece, position)
+            return self.zeros(rank, piece, position, segment)
         candidates = exact or written
         distinct: dict[tuple, list[tuple[VTensor, int, str, float]]] = defaultdict(list)
         for entry in candidates:
@@ -169,37 +195,56 @@ class _Builder:
         self.check_coverage(piece, [holders[0][0] for holders in distinct.values()], reader)
         fragments = []
         for holders in distinct.values():
-            source, holder_rank, source_var, produced_at = _choose_holder(holders, rank)
+            source, holder_rank, source_var, produced_at = self.choose_holder(holders, rank, segment)
             overlap = source.index.intersect(piece.index)
             source_region = () if overlap == source.index else overlap.slices_within(source.index)
             target_region = overlap.slices_within(piece.index)
             whole = overlap == piece.index == source.index
-            if holder_rank != rank:
-                source_var = self.transfer(holder_rank, source_var, source_region, rank, overlap.shape, piece, produced_at, position)
+            if holder_rank != rank or not self.visible(rank, source_var, segment):
+                source_var = self.transfer(holder_rank, source_var, source_region, rank, overlap.shape, piece, produced_at, segment)
                 source_region = ()
                 whole = overlap == piece.index
             fragments.append(Fragment(source_var, source_region, target_region, whole))
         if len(fragments) == 1 and fragments[0].whole:
             return fragments[0].var
         var = self.var(rank, f"{piece.name}_assembled")
-        self.programs[rank].actions.append(Assemble(position - 0.25, var, piece, tuple(fragments)))
+        self.programs[rank].actions.append(Assemble(position - 0.25, var, piece, tuple(fragments), segment=segment))
+        self.segment_of[(rank, var)] = segment
         return var
+
+    def choose_holder(self, holders: list[tuple[VTensor, int, str, float]], rank: int, segment: Segment) -> tuple[VTensor, int, str, float]:
+        """A replica this segment can read directly if there is one, else one of the same segment
+        (a tensor-parallel peer), else spread over the replicas deterministically."""
+        if self.pipelined:
+            for holder in holders:
+                if holder[1] == rank and self.visible(rank, holder[2], segment):
+                    return holder
+            same_segment = [holder for holder in holders if self.segment_of[(holder[1], holder[2])] == segment]
+            holders = same_segment or holders
+        return _choose_holder(holders, rank)
 
     def route_collectively(self, piece: VTensor, position: int, reader: Op, input_index: int) -> bool:
         """Serve every piece of ``reader``'s origin reading this input with collectives, if the RVD
         search finds a runnable path; registers each device's result and returns True."""
-        attempt = (piece.name, reader.source_name, input_index)
+        segment = reader.segment
+        attempt = (piece.name, reader.source_name, input_index, segment)
         if attempt in self.routed:
             return False
         self.routed.add(attempt)
         targets: dict[int, VTensor] = {}
         for sibling in self.pieces_of[reader.source_name]:
+            if sibling.segment != segment:
+                continue  # another microbatch or stage: its own collective, in its own segment
             wanted = sibling.tensor_inputs[input_index]
             if targets.setdefault(sibling.device, wanted) != wanted:
                 return False  # several pieces on one device (co-shard): not one layout
         by_rank: dict[int, dict[VTensor, str]] = defaultdict(dict)
         for written, rank, var, _ in self.written.get(piece.name, []):
+            if self.pipelined and self.segment_of[(rank, var)] != segment:
+                continue  # another segment's piece: other rows, or a copy this segment has too
             by_rank[rank].setdefault(written, var)
+        if not by_rank:
+            return False  # produced by other segments only: boundary messages, not a collective
         sources: dict[int, tuple[VTensor, str]] = {}
         for rank, pieces in by_rank.items():
             merged = _merge_local_value_parts(list(pieces))
@@ -208,50 +253,70 @@ class _Builder:
             sources[rank] = (merged, None if len(pieces) > 1 else next(iter(pieces.values())))
         if all(sources.get(rank, (None,))[0] == wanted for rank, wanted in targets.items()):
             return False  # every device already holds what it reads
-        path = collective_path({rank: entry[0] for rank, entry in sources.items()}, targets, self.cost)
+        search_sources, search_targets = {rank: entry[0] for rank, entry in sources.items()}, targets
+        if self.pipelined:  # a segment's pieces cover its microbatch's rows: search within them
+            search_sources, search_targets = _within_common_box(search_sources), _within_common_box(targets)
+        path = collective_path(search_sources, search_targets, self.cost)
         if path is None:
             return False
-        current = {rank: var or self.sum_locally(rank, merged, by_rank[rank], position) for rank, (merged, var) in sources.items()}
+        within = next(iter(search_targets.values()))
+        current = {rank: var or self.sum_locally(rank, merged, by_rank[rank], position, segment) for rank, (merged, var) in sources.items()}
         for step_index, step in enumerate(path.steps):
             at = position - 0.4 + 0.01 * input_index + 0.001 * step_index
             for rank in sorted(current):
-                current[rank] = self.collective_step(rank, step, current[rank], piece, at)
+                current[rank] = self.collective_step(rank, step, current[rank], within, at, segment)
         for rank, wanted in targets.items():
-            self.cache[rank][(wanted.name, wanted.index, wanted.value)] = current[rank]
+            self.cache[rank][(segment, wanted.name, wanted.index, wanted.value)] = current[rank]
         return True
 
-    def sum_locally(self, rank: int, merged: VTensor, pieces: dict[VTensor, str], position: int) -> str:
+    def sum_locally(self, rank: int, merged: VTensor, pieces: dict[VTensor, str], position: int, segment: Segment = None) -> str:
         """Add a device's value parts of one box (e.g. co-shard's shards) before a collective."""
         var = self.var(rank, f"{merged.name}_local_sum")
         full = tuple(slice(0, size) for size in merged.shape)
         fragments = tuple(Fragment(source_var, (), full, whole=True) for source_var in pieces.values())
-        self.programs[rank].actions.append(Assemble(position - 0.45, var, merged, fragments))
+        self.programs[rank].actions.append(Assemble(position - 0.45, var, merged, fragments, segment=segment))
+        self.segment_of[(rank, var)] = segment
         return var
 
-    def collective_step(self, rank: int, step: object, source_var: str, piece: VTensor, position: float) -> str:
+    def collective_step(self, rank: int, step: object, source_var: str, piece: VTensor, position: float, segment: Segment = None) -> str:
         shape = piece.tensor.shape
         if step.kind == "local-value-split":
             if step.after.piece_of(rank, shape)[1].part == 0:
                 return source_var
-            return self.zeros(rank, VTensor(piece.tensor, *step.after.piece_of(rank, shape)), position + 0.25)
+            return self.zeros(rank, VTensor(piece.tensor, *step.after.piece_of(rank, shape)), position + 0.25, segment)
         var = self.var(rank, f"{piece.name}_{step.kind.replace('-', '_')}")
+        self.segment_of[(rank, var)] = segment
         if step.kind == "local-chunk":
             before, after = step.before.piece_of(rank, shape)[0], step.after.piece_of(rank, shape)[0]
             fragment = Fragment(source_var, after.slices_within(before), tuple(slice(0, size) for size in after.shape), whole=False)
-            self.programs[rank].actions.append(Assemble(position, var, VTensor(piece.tensor, after), (fragment,)))
+            self.programs[rank].actions.append(Assemble(position, var, VTensor(piece.tensor, after), (fragment,), segment=segment))
             return var
         kind = step.kind.replace("-", "_")
         dim = step.dims[0] if step.dims else 0
-        self.programs[rank].actions.append(Collective(position, kind, var, source_var, group_of(step, rank), dim, 0, step.bytes_per_device))
+        self.programs[rank].actions.append(
+            Collective(position, kind, var, source_var, group_of(step, rank), dim, 0, step.bytes_per_device, segment=segment)
+        )
         return var
 
-    def transfer(self, src: int, source_var: str, region: tuple[slice, ...], dst: int, shape: tuple[int, ...], piece: VTensor, produced_at: float, position: int) -> str:
+    def transfer(
+        self, src: int, source_var: str, region: tuple[slice, ...], dst: int, shape: tuple[int, ...], piece: VTensor,
+        produced_at: float, segment: Segment = None,
+    ) -> str:
+        """Bring ``source_var[region]`` from rank ``src`` to a function of ``segment`` on rank ``dst``."""
+        source_segment = self.segment_of.get((src, source_var))
+        if source_segment == PROLOGUE and segment != PROLOGUE:  # received once, in this rank's prologue
+            key = (src, source_var, tuple((part.start, part.stop) for part in region), dst)
+            if key not in self.prologue_received:
+                self.prologue_received[key] = self.transfer(src, source_var, region, dst, shape, piece, produced_at, PROLOGUE)
+            return self.prologue_received[key]
+        boundary = source_segment != segment
         tag = next(self.tags)
-        self.programs[src].actions.append(Send(produced_at + 0.1, source_var, region, dst, tag))
+        self.programs[src].actions.append(Send(produced_at + 0.1, source_var, region, dst, tag, source_segment, boundary))
         var = self.var(dst, f"{piece.name}_from_{src}")
         # Received right after it is sent: between two ranks, receives then follow the order of the
         # sends, as NCCL (which ignores tags) requires; the wait is only for data already produced.
-        self.programs[dst].actions.append(Recv(produced_at + 0.1, var, shape, piece.tensor.dtype, src, tag))
+        self.programs[dst].actions.append(Recv(produced_at + 0.1, var, shape, piece.tensor.dtype, src, tag, segment, boundary))
+        self.segment_of[(dst, var)] = segment
         return var
 
     def check_coverage(self, piece: VTensor, sources: list[VTensor], reader: str) -> None:
@@ -267,8 +332,21 @@ class _Builder:
             seen: set[tuple] = set()
             for piece, rank, var, _ in sorted(self.written[name], key=lambda entry: entry[1]):
                 key = (piece.index, piece.value)
-                self.programs[rank].outputs.append(RankOutput(name, var, piece, seed=key not in seen))
+                self.programs[rank].outputs.append(RankOutput(name, var, piece, key not in seen, self.segment_of[(rank, var)]))
                 seen.add(key)
+
+
+def _within_common_box(pieces: dict[int, VTensor]) -> dict[int, VTensor]:
+    """The pieces as pieces of their bounding box (a tensor of that shape), for the layout search."""
+    box = _bounding([piece.index for piece in pieces.values()])
+    first = next(iter(pieces.values())).tensor
+    if box == IndexMask.full(first.shape):
+        return pieces
+    tensor = PTensor(first.name, box.shape, first.dtype, first.role, first.state_key, first.requires_grad)
+    return {
+        rank: VTensor(tensor, IndexMask(tuple((start - low, stop - low) for (start, stop), (low, _) in zip(piece.index.ranges, box.ranges))), piece.value)
+        for rank, piece in pieces.items()
+    }
 
 
 def _merge_local_value_parts(pieces: list[VTensor]) -> VTensor | None:
@@ -315,3 +393,7 @@ def _merge_partial_overlaps(boxes: dict[int, IndexMask]) -> dict[int, IndexMask]
                 changed = True
                 break
     return {rank: distinct[box] for rank, box in boxes.items()}
+
+
+def _first(names: list[str]) -> str:
+    return ", ".join(repr(name) for name in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")

@@ -3,6 +3,13 @@
 Every action carries the global ``position`` it was placed at (a position in the planned graph's
 op order); each rank runs its actions sorted by position, so blocking receives and collectives
 only ever wait for data produced at earlier positions, on every rank alike — no deadlock.
+
+A pipelined plan (ops carry a ``segment``) is cut further: each action belongs to one segment
+``(stage, microbatch)`` (or the step's prologue), a rank's actions of one segment become one
+function, and the schedule — not the position — orders the segments. A tensor one segment hands
+to another is a *boundary* message (``Send``/``Recv`` with ``boundary=True``): the producing
+function returns it, the runtime sends it after that segment's forward (to itself when both
+segments are on one rank) and sends its gradient back after the consumer's backward.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from lightning_nnscaler.ir.box import Box
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.tensor import IndexMask, VTensor
 
+Segment = tuple[int, int] | None
+
 
 @dataclass(frozen=True)
 class Compute:
@@ -23,6 +32,11 @@ class Compute:
     op: Op
     input_vars: tuple[str, ...]
     output_vars: tuple[str, ...]
+
+    @property
+    def segment(self) -> Segment:
+        """The op's segment."""
+        return self.op.segment
 
 
 @dataclass(frozen=True)
@@ -34,6 +48,8 @@ class Send:
     region: tuple[slice, ...]
     dst: int
     tag: int
+    segment: Segment = None
+    boundary: bool = False  # between segments: the runtime sends it after the segment's forward
 
 
 @dataclass(frozen=True)
@@ -46,6 +62,8 @@ class Recv:
     dtype: str
     src: int
     tag: int
+    segment: Segment = None
+    boundary: bool = False  # between segments: the runtime receives it before the segment's forward
 
 
 @dataclass(frozen=True)
@@ -67,6 +85,7 @@ class Assemble:
     piece: VTensor
     fragments: tuple[Fragment, ...]
     zeros: bool = False  # a value part k > 0 of a whole tensor: exact zeros, no data needed
+    segment: Segment = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +100,7 @@ class Collective:
     dim: int = 0
     second_dim: int = 0
     bytes_per_device: int = 0  # what this device sends in the collective (for explain)
+    segment: Segment = None
 
 
 Action = Compute | Send | Recv | Assemble | Collective
@@ -125,6 +145,7 @@ class RankOutput:
     var: str
     piece: VTensor
     seed: bool
+    segment: Segment = None
 
 
 @dataclass
@@ -154,6 +175,11 @@ class Program:
     world_size: int
     ranks: list[RankProgram]
     gradient_groups: list[GradientGroup]
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the actions belong to segments that a schedule runs (see the module docstring)."""
+        return any(isinstance(action, Compute) and action.segment is not None for program in self.ranks for action in program.actions)
 
     @functools.cached_property
     def communication_groups(self) -> list[tuple[int, ...]]:

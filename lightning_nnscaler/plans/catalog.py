@@ -39,7 +39,7 @@ from lightning_nnscaler.plans.context import PlanContext
 from lightning_nnscaler.plans.layout import RecipeLayout, single_replica
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
-NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]*")
+NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_]*")
 _TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "bool": (bool,), "float": (int, float), "str": (str,)}
 _REQUIRED_KEYS = ("name", "function", "summary")
 PlanFunction = Callable[..., None]

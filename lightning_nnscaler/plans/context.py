@@ -5,8 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_nnscaler.plans.layout import RecipeLayout
+from lightning_nnscaler.schedules import Action, Schedule
 
 ZERO_STAGES = (0, 1, 3)
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A pipelined plan's schedule over the pipeline axis, and each rank's place on that axis."""
+
+    schedule: Schedule
+    """Compute actions per pipeline position (``schedule.actions[column]``); stage ``s`` on column ``schedule.stage_ranks[s]``."""
+    column_of_rank: tuple[int, ...]
+    """Each rank's pipeline position (its ``pp`` coordinate): the schedule list it runs."""
+
+    def actions(self, rank: int) -> tuple[Action, ...]:
+        """The compute actions ``rank`` runs, in order."""
+        return self.schedule.actions[self.column_of_rank[rank]]
 
 
 @dataclass
@@ -21,6 +36,9 @@ class PlanContext:
     zero_stage: int = 0
     """ZeRO sharding over the data-parallel group, a runtime option a recipe may set: 0 = none,
     1 = optimizer state sharded, 3 = optimizer state and parameters sharded."""
+
+    pipeline: PipelinePlan | None = None
+    """Set by pipelined recipes: the schedule that orders each rank's segments."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:

@@ -12,8 +12,12 @@ class AssignError(ValueError):
     """A placement that cannot be right."""
 
 
-def op_assign(graph: Graph, op: Op | str, device: int) -> Op:
+def op_assign(graph: Graph, op: Op | str, device: int, *, segment: tuple[int, int] | None = None) -> Op:
     """Run ``op`` on ``device`` (a rank); returns the placed op.
+
+    ``segment=(stage, microbatch)`` also places it in that segment of a pipeline (the ops of one
+    stage and microbatch on a device run as one unit of the schedule; ``ir.op.PROLOGUE`` for the
+    step's prologue); ``None`` keeps the op's segment.
 
     Raises:
         AssignError: naming the op when ``device`` is not a non-negative int.
@@ -21,6 +25,8 @@ def op_assign(graph: Graph, op: Op | str, device: int) -> Op:
     op = graph.op(op)
     if not isinstance(device, int) or isinstance(device, bool) or device < 0:
         raise AssignError(f"op {op.name!r}: device must be a non-negative int (a rank), got {device!r}")
-    placed = replace(op, device=device)
+    if segment is not None and (not isinstance(segment, tuple) or len(segment) != 2 or not all(isinstance(part, int) for part in segment)):
+        raise AssignError(f"op {op.name!r}: segment must be a (stage, microbatch) pair of ints, got {segment!r}")
+    placed = replace(op, device=device, segment=op.segment if segment is None else segment)
     graph.replace_op(op, [placed])
     return placed

@@ -16,6 +16,7 @@ import torch
 from lightning_nnscaler.ir.box import Box, PieceLocation, region
 from lightning_nnscaler.runtime import autograd_comm as comm
 from lightning_nnscaler.runtime.comm import AsyncHandle, Communicator
+from lightning_nnscaler.runtime.pipeline import PipelineRun
 from lightning_nnscaler.runtime.reducer import GradientReducer
 
 
@@ -69,6 +70,9 @@ class RankExecutor:
             )
         self.rank = rank
         self.communicator = communicator
+        self.trace_actions = False
+        """Pipelined plans: record ``(action, start, end)`` of each action run in ``executed_actions``."""
+        self.executed_actions: list[tuple[str, float, float]] = []
         self.device = torch.device(device)
         self._load(module, constants, input_offsets, lambda location, role: _piece(location, role, state[location.state_key], self.device))
         by_location = {shard.location: shard.tensor for shard in self.shards.values()}
@@ -185,6 +189,8 @@ class RankExecutor:
         held = dict(self.held)
         for var, (name, box) in self.input_boxes.items():
             held[var] = inputs[name][region(box)].to(self.device)
+        if getattr(self.module, "SCHEDULE", None) is not None:
+            return self._run_schedule(held, backward, loss_scale, reduce_gradients)
         token = torch.zeros((), device=self.device, requires_grad=backward)
         with torch.set_grad_enabled(backward):
             outputs, token = self.module.forward(held, self.communicator, token)
@@ -201,6 +207,22 @@ class RankExecutor:
         if backward:
             self.reducer.after_backward()
         return whole_loss.wait()
+
+    def _run_schedule(self, held: dict[str, torch.Tensor], backward: bool, loss_scale: float | torch.Tensor, reduce_gradients: bool) -> torch.Tensor:
+        """A pipelined module's step (``runtime.pipeline``): its schedule of segment actions in order."""
+        parameters = [shard.tensor for shard in self.shards.values() if isinstance(shard.tensor, torch.nn.Parameter)]
+        run = PipelineRun(self.module, self.rank, self.communicator, held, parameters, self.device)
+        if backward:
+            self.reducer.before_backward(False)  # accumulate over the microbatches; sum during the last backward
+        seeds = run.run(
+            backward=backward, loss_scale=loss_scale, trace=self.trace_actions,
+            before_last_backward=(lambda: self.reducer.before_backward(reduce_gradients)) if backward else None,
+        )
+        self.executed_actions = run.executed
+        self.communicator.wait_sends()
+        if backward:
+            self.reducer.after_backward()
+        return self._start_loss_sum(seeds).wait()  # after every bucket: the same collective order on every rank
 
     def _start_loss_sum(self, seeds: list[torch.Tensor]) -> AsyncHandle:
         """Start summing every rank's seeded (value-part or whole) scalar loss pieces; ``.wait()`` gives the loss."""

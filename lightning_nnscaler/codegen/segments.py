@@ -1,0 +1,130 @@
+"""Code generation for pipelined plans: one function per segment, run in the order of ``SCHEDULE``.
+
+A rank's module holds ``prologue`` (the step's ops that need no gradient, run once before any
+segment) and one function per segment ``(stage, microbatch)`` it runs, named
+``stage{s}_microbatch{m}``. A segment function reads the held pieces (``held``), what the prologue
+computed (``shared``) and the boundary tensors other segments sent it (``received``, by message
+tag); it returns the boundary tensors it sends (by tag), its graph outputs and the token of its
+own communication chain. Communication *inside* a segment (tensor-parallel peers of the same
+stage) stays inline; communication *between* segments is the runtime's (``runtime.pipeline``):
+``BOUNDARY_IN`` and ``BOUNDARY_OUT`` list each segment's messages, in the order they are posted.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from lightning_nnscaler.ir.op import PROLOGUE
+from lightning_nnscaler.materialize.program import Program, RankProgram, Recv, Segment, Send, reads, writes
+
+
+def segment_function_name(segment: Segment) -> str:
+    """``stage{s}_microbatch{m}`` (``prologue`` for the prologue)."""
+    if segment == PROLOGUE:
+        return "prologue"
+    stage, microbatch = segment
+    return f"stage{stage}_microbatch{microbatch}"
+
+
+def segments_of(program: RankProgram) -> dict[Segment, RankProgram]:
+    """The rank's actions grouped by segment (each group in program order) with that segment's outputs."""
+    grouped: dict[Segment, RankProgram] = defaultdict(lambda: RankProgram(program.rank, program.inputs))
+    grouped[PROLOGUE]  # every rank has a prologue, maybe empty
+    for action in program.actions:
+        grouped[action.segment].actions.append(action)
+    for output in program.outputs:
+        grouped[output.segment].outputs.append(output)
+    return dict(grouped)
+
+
+def emit_segments(program: Program, rank_program: RankProgram, schedule: list[str], body) -> list[str]:
+    """The pipelined part of a rank's module: tables, the prologue and the segment functions.
+
+    ``body(segment_program)`` gives the statement lines of one segment (``emit._body``).
+    """
+    segments = segments_of(rank_program)
+    held = {local.var for local in rank_program.inputs}
+    prologue_vars = {var for action in segments[PROLOGUE].actions for var in writes(action)}
+    lines = [f"SCHEDULE = {schedule!r}  # this rank's segments: F forward, B backward, W weight gradients (stage, kind, microbatch)"]
+    lines.append("BOUNDARY_IN = {  # segment: messages received before its forward, in order (tag, from rank, shape, dtype)")
+    for segment, part in segments.items():
+        received = [action for action in part.actions if isinstance(action, Recv) and action.boundary]
+        if received:
+            entries = ", ".join(f"({action.tag}, {action.src}, {action.shape!r}, torch.{action.dtype})" for action in received)
+            lines.append(f"    {segment!r}: [{entries}],")
+    lines.append("}")
+    lines.append("BOUNDARY_OUT = {  # segment: messages sent after its forward, in order (tag, to rank)")
+    for segment, part in segments.items():
+        sent = [action for action in part.actions if isinstance(action, Send) and action.boundary]
+        if sent:
+            lines.append(f"    {segment!r}: [{', '.join(f'({action.tag}, {action.dst})' for action in sent)}],")
+    lines.append("}\n\n")
+    needed_from_prologue = sorted({
+        var for segment, part in segments.items() if segment != PROLOGUE for action in part.actions for var in reads(action)
+        if var in prologue_vars
+    } | {output.var for output in segments[PROLOGUE].outputs})
+    lines += _prologue(segments[PROLOGUE], held, needed_from_prologue, body)
+    for segment, part in segments.items():
+        if segment != PROLOGUE:
+            lines += ["", ""] + _segment_function(segment, part, held, prologue_vars, body)
+    lines += ["", ""]
+    listed = ", ".join(f"{segment!r}: {segment_function_name(segment)}" for segment in segments if segment != PROLOGUE)
+    lines.append(f"SEGMENTS = {{{listed}}}")
+    return lines
+
+
+def _prologue(part: RankProgram, held: set[str], results: list[str], body) -> list[str]:
+    lines = ["def prologue(held, communicator, token):"]
+    lines.append('    """The step\'s ops that need no gradient (batch metadata, masks), run once before any segment."""')
+    lines += [f"    {var} = held[{var!r}]" for var in _outside_reads(part, held)]
+    lines += ["    " + line for line in body(part)]
+    lines.append(f"    return {{{', '.join(f'{var!r}: {var}' for var in results)}}}, token")
+    return lines
+
+
+def _segment_function(segment: Segment, part: RankProgram, held: set[str], prologue_vars: set[str], body) -> list[str]:
+    stage, microbatch = segment
+    lines = [f"def {segment_function_name(segment)}(held, shared, received, communicator, token):"]
+    lines.append(f'    """Stage {stage}, microbatch {microbatch}: returns (sent by tag, outputs by graph name, token)."""')
+    for var in _outside_reads(part, held | prologue_vars):
+        lines.append(f"    {var} = {'held' if var in held else 'shared'}[{var!r}]")
+    lines += ["    " + line for line in body(part)]
+    sent = [action for action in part.actions if isinstance(action, Send) and action.boundary]
+    sent_text = ", ".join(f"{action.tag}: {action.source_var}{_slices(action.region)}" for action in sent)
+    outputs = ", ".join(f"{output.name!r}: {output.var}" for output in part.outputs)
+    lines.append(f"    return {{{sent_text}}}, {{{outputs}}}, token")
+    return lines
+
+
+def _outside_reads(part: RankProgram, available: set[str]) -> list[str]:
+    """Variables the segment reads but does not define, that ``available`` holds, in first-read order."""
+    defined: set[str] = set()
+    outside: list[str] = []
+    for action in part.actions:
+        for var in reads(action):
+            if var not in defined and var in available and var not in outside:
+                outside.append(var)
+        defined.update(writes(action))
+    for output in part.outputs:
+        if output.var not in defined and output.var in available and output.var not in outside:
+            outside.append(output.var)
+    return outside
+
+
+def boundary_lines(action: Send | Recv) -> list[str]:
+    """A boundary message inside a segment's body: a receive reads ``received``; a send is returned."""
+    if isinstance(action, Recv):
+        return [f"{action.var} = received[{action.tag}]  # from rank {action.src}"]
+    return []
+
+
+def _slices(region: tuple[slice, ...]) -> str:
+    if not region:
+        return ""
+    return "[" + ", ".join(f"{part.start}:{part.stop}" for part in region) + "]"
+
+
+def is_boundary(action: object) -> bool:
+    """Whether ``action`` is a message between segments (handled by the runtime, not inline)."""
+    return isinstance(action, (Send, Recv)) and action.boundary
+

@@ -1,0 +1,318 @@
+"""Pipeline parallelism from the three primitives (DESIGN.md §8): GPipe, 1F1B, interleaved 1F1B, ZB-H1, dp × tp × pp.
+
+- **Microbatches are op_trans** of the batch dim: ``split_batch`` cuts every op into
+  ``replicas × microbatches`` pieces (batch slices where the batch reaches, copies elsewhere).
+- **Stages are op_assign** of contiguous op ranges: the graph's ops are cut into stages of about
+  equal estimated cost (FLOPs of linears, matmuls and attention; elements moved elsewhere), each cut
+  placed where the fewest activation bytes cross it (between blocks: the residual stream). Ops that
+  read no activation (a weight's transpose, position embeddings) join the stage of their first
+  reader; ops that need no gradient and read only the batch and constants (a loss's count of kept
+  targets, masks) form the step's prologue, on the rank of their first reader.
+- **The schedule is op_order**: a ``schedules`` generator orders each rank's segments; it is
+  validated (``schedules.validate``) before anything runs.
+
+Inside a stage, ``tp > 1`` splits each segment's ops Megatron-style over the stage's tensor-parallel
+ranks. Ranks form the grid ``dp × pp × tp`` (tp fastest): stage ``s`` lives on pipeline column
+``schedule.stage_ranks[s]`` of every replica.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_nnscaler.ir.graph import Graph
+from lightning_nnscaler.ir.op import PROLOGUE, Op
+from lightning_nnscaler.ir.tensor import dtype_bytes
+from lightning_nnscaler.plans.context import PlanContext, PipelinePlan
+from lightning_nnscaler.plans.dp import split_batch
+from lightning_nnscaler.plans.layout import DeviceGrid, RecipeLayout
+from lightning_nnscaler.plans.megatron_tp import megatron_choice, tensor_parallel
+from lightning_nnscaler.plans.propagate import replicate
+from lightning_nnscaler.primitives import op_assign, op_orders
+from lightning_nnscaler.schedules import Schedule, gpipe, interleaved, lower, one_f_one_b, validate, zb1
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
+_MATMULS = {"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default", "aten.addmm.default"}
+_ATTENTION = {"aten.scaled_dot_product_attention.default", "aten._scaled_dot_product_flash_attention_for_cpu.default"}
+
+
+PROLOGUE_STAGE = PROLOGUE[0]
+
+
+def gpipe_plan(graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None) -> None:
+    """GPipe (Huang et al. 2019): all forwards, then all backwards; ``stages`` ranks (default: all)."""
+    pipeline(graph, ctx, schedule="gpipe", stages=stages, microbatches=microbatches)
+
+
+def one_f_one_b_plan(graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None) -> None:
+    """1F1B (PipeDream-Flush): warm-up forwards, then one forward one backward; at most p microbatches stashed."""
+    pipeline(graph, ctx, schedule="1f1b", stages=stages, microbatches=microbatches)
+
+
+def interleaved_plan(
+    graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None, virtual_stages: int = 2,
+) -> None:
+    """Interleaved 1F1B (Megatron): ``virtual_stages`` model chunks per rank; the bubble shrinks by that factor."""
+    pipeline(graph, ctx, schedule="interleaved", stages=stages, microbatches=microbatches, virtual_stages=virtual_stages)
+
+
+def zb1_plan(graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None) -> None:
+    """Zero-bubble ZB-H1 (Qi et al. 2024): backward split into input gradients (B) and weight gradients (W)."""
+    pipeline(graph, ctx, schedule="zb1", stages=stages, microbatches=microbatches)
+
+
+def hybrid3d(graph: Graph, ctx: PlanContext, *, dp: int = 1, tp: int = 1, pp: int = 2, microbatches: int | None = None) -> None:
+    """dp × tp × pp: ``dp`` replicas, each a 1F1B pipeline of ``pp`` stages, each stage Megatron-split over ``tp`` ranks."""
+    pipeline(graph, ctx, schedule="1f1b", stages=pp, microbatches=microbatches, dp=dp, tp=tp)
+
+
+def pipeline_layout(world_size: int, params: dict[str, Any]) -> RecipeLayout:
+    """``world_size / stages`` data-parallel replicas of a ``stages``-rank pipeline."""
+    stages = params.get("stages") or world_size
+    if stages < 1 or world_size % stages:
+        raise ValueError(f"pipeline: stages ({stages}) must be a positive divisor of world_size ({world_size})")
+    return RecipeLayout(DeviceGrid.of(dp=world_size // stages, pp=stages))
+
+
+def hybrid3d_layout(world_size: int, params: dict[str, Any]) -> RecipeLayout:
+    """``dp`` replicas of ``pp`` stages of ``tp`` consecutive ranks; heads cut in ``tp``."""
+    dp, tp, pp = params["dp"], params["tp"], params["pp"]
+    if min(dp, tp, pp) < 1 or dp * tp * pp != world_size:
+        raise ValueError(f"hybrid3d: dp ({dp}) × tp ({tp}) × pp ({pp}) = {dp * tp * pp} must equal world_size ({world_size})")
+    return RecipeLayout(DeviceGrid.of(dp=dp, pp=pp, tp=tp), tp if tp > 1 else None, f"tp={tp}")
+
+
+def pipeline(
+    graph: Graph, ctx: PlanContext, *, schedule: str, stages: int | None = None, microbatches: int | None = None,
+    virtual_stages: int = 1, dp: int | None = None, tp: int = 1,
+) -> None:
+    """Plan ``graph`` as a pipeline (see the module docstring); sets ``ctx.pipeline``.
+
+    Args:
+        schedule: One of ``SCHEDULES``.
+        stages: Pipeline ranks per replica (default: ``world_size / (dp × tp)``).
+        microbatches: Per replica and step (default: the smallest divisor of the replica's batch
+            that is at least ``stages``).
+        virtual_stages: Model chunks per rank (interleaved only).
+        dp: Data-parallel replicas (default: ``world_size / (stages × tp)``).
+        tp: Tensor-parallel ranks per stage.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline: schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule != "interleaved" and virtual_stages != 1:
+        raise ValueError(f"pipeline: virtual_stages={virtual_stages} needs schedule='interleaved'")
+    pp = stages or ctx.world_size // ((dp or 1) * tp)
+    dp = dp or ctx.world_size // (pp * tp)
+    if min(pp, dp, tp) < 1 or dp * pp * tp != ctx.world_size:
+        raise ValueError(f"pipeline: dp ({dp}) × stages ({pp}) × tp ({tp}) must equal world_size ({ctx.world_size})")
+    batch = _batch_rows(graph)
+    if batch % dp:
+        raise ValueError(f"pipeline: the batch ({batch} rows) must divide into {dp} data-parallel replicas")
+    microbatches = microbatches or default_microbatches(batch // dp, pp)
+    if (batch // dp) % microbatches:
+        raise ValueError(
+            f"pipeline: microbatches ({microbatches}) must divide each replica's batch ({batch // dp} rows); "
+            f"divisors: {[count for count in range(1, batch // dp + 1) if (batch // dp) % count == 0]}"
+        )
+    order = _schedule(schedule, pp, microbatches, virtual_stages)
+    validate(lower(order))
+    cut = cut_stages(graph, pp * virtual_stages)
+    grid = DeviceGrid.of(dp=dp, pp=pp, tp=tp)
+    choose = megatron_choice(graph) if tp > 1 else None
+    origins = [op.name for op in graph.ops]
+    pieces = split_batch(graph, dp * microbatches)
+    for index, name in enumerate(origins):
+        for part, piece in enumerate(pieces[index]):
+            replica, microbatch = divmod(part, microbatches)
+            stage = cut.stage_of[name]
+            column = order.stage_ranks[stage if stage != PROLOGUE_STAGE else cut.first_reader_stage(name)]
+            ranks = [_rank(grid, replica, column, position) for position in range(tp)]
+            segment = PROLOGUE if stage == PROLOGUE_STAGE else (stage, microbatch)
+            op_assign(graph, piece, ranks[0], segment=segment)  # with tp > 1, split over the stage's ranks below
+    if tp > 1:
+        _split_stages(graph, tp, grid, order, choose)
+    ctx.pipeline = PipelinePlan(order, tuple(grid.coordinate(rank, "pp") for rank in range(ctx.world_size)))
+    order_forwards(graph, ctx.pipeline)
+
+
+def order_forwards(graph: Graph, plan: PipelinePlan) -> None:
+    """op_order: on each rank, each segment's forward ops before those of the next F in its schedule (one re-sort)."""
+    ops_of: dict[tuple[int, tuple[int, int]], list[Op]] = {}
+    for op in graph.ops:
+        if op.segment != PROLOGUE:
+            ops_of.setdefault((op.device, op.segment), []).append(op)
+    edges = []
+    for rank in range(len(plan.column_of_rank)):
+        forwards = [(action.stage, action.microbatch) for action in plan.actions(rank) if action.kind.value == "F"]
+        present = [ops_of[(rank, segment)] for segment in forwards if (rank, segment) in ops_of]
+        edges += [(earlier[-1], later[0]) for earlier, later in zip(present, present[1:])]
+    op_orders(graph, edges)
+
+
+def default_microbatches(rows: int, stages: int) -> int:
+    """The smallest divisor of ``rows`` that is at least ``stages`` (``rows`` when none is)."""
+    return next((count for count in range(stages, rows + 1) if rows % count == 0), rows)
+
+
+def _schedule(name: str, stages: int, microbatches: int, virtual_stages: int) -> Schedule:
+    if name == "gpipe":
+        return gpipe(stages, microbatches)
+    if name == "1f1b":
+        return one_f_one_b(stages, microbatches)
+    if name == "zb1":
+        return zb1(stages, microbatches)
+    return interleaved(stages, virtual_stages, microbatches)
+
+
+def _rank(grid: DeviceGrid, replica: int, column: int, position: int) -> int:
+    sizes = dict(grid.axes)
+    return (replica * sizes["pp"] + column) * sizes["tp"] + position
+
+
+def _batch_rows(graph: Graph) -> int:
+    rows = {tensor.shape[0] for tensor in graph.user_inputs if tensor.shape}
+    if len(rows) != 1:
+        raise ValueError(f"pipeline: the batch inputs must share one batch size (dim 0), got {sorted(rows)}")
+    return rows.pop()
+
+
+# --- stage cuts ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageCut:
+    """Each op of the captured graph -> its stage (``PROLOGUE_STAGE`` for the prologue), and who reads it."""
+
+    stage_of: dict[str, int]
+    readers: dict[str, list[str]]
+
+    def first_reader_stage(self, name: str) -> int:
+        """The first stage that reads ``name``'s outputs, through prologue ops (0 when none does)."""
+        stages = [self.stage_of[reader] if self.stage_of[reader] != PROLOGUE_STAGE else self.first_reader_stage(reader) for reader in self.readers.get(name, [])]
+        return min(stages, default=0)
+
+
+def cut_stages(graph: Graph, stages: int) -> StageCut:
+    """Each op of ``graph`` (not yet split) -> its stage (``PROLOGUE_STAGE`` for the prologue).
+
+    Raises:
+        ValueError: when the graph has fewer ops that read activations than ``stages``.
+    """
+    ops = list(graph.ops)
+    producer = {output.name: op for op in ops for output in op.outputs}
+    readers: dict[str, list[str]] = {}
+    for op in ops:
+        for piece in op.tensor_inputs:
+            if piece.name in producer:
+                readers.setdefault(producer[piece.name].name, []).append(op.name)
+    kind = _kinds(graph, ops, producer)
+    flowing = [op for op in ops if kind[op.name] == "batch"]
+    if len(flowing) < stages:
+        raise ValueError(f"pipeline: {stages} stages need at least {stages} ops on the batch's path; the model has {len(flowing)}")
+    cuts = _balanced_cuts(flowing, stages)
+    stage_of: dict[str, int] = {}
+    for index, op in enumerate(flowing):
+        stage_of[op.name] = sum(index >= cut for cut in cuts)
+    for op in reversed(ops):  # weights-only ops join their first reader's stage
+        if kind[op.name] == "weights":
+            stage_of[op.name] = min((stage_of[reader] for reader in readers.get(op.name, []) if stage_of.get(reader, -1) >= 0), default=0)
+        elif kind[op.name] == "prologue":
+            stage_of[op.name] = PROLOGUE_STAGE
+    return StageCut(stage_of, readers)
+
+
+def _kinds(graph: Graph, ops: list[Op], producer: dict[str, Op]) -> dict[str, str]:
+    """Per op: ``prologue`` (no parameter upstream: needs no gradient), ``weights`` (parameters
+    upstream but not the batch) or ``batch`` (both: the ops a pipeline's stages cut)."""
+    needs_grad: dict[str, bool] = {}
+    reads_batch: dict[str, bool] = {}
+    kind: dict[str, str] = {}
+    for op in ops:
+        grad = batch = False
+        for piece in op.tensor_inputs:
+            if piece.name in producer:
+                grad |= needs_grad[producer[piece.name].name]
+                batch |= reads_batch[producer[piece.name].name]
+            else:
+                tensor = graph.tensors[piece.name]
+                grad |= tensor.role == "parameter" and tensor.requires_grad
+                batch |= tensor.role == "input"
+        needs_grad[op.name], reads_batch[op.name] = grad, batch
+        kind[op.name] = "prologue" if not grad else "batch" if batch else "weights"
+    return kind
+
+
+def op_cost(op: Op) -> float:
+    """Estimated work of ``op``: FLOPs of matmuls and attention, elements read and written otherwise."""
+    out = sum(math.prod(output.shape) for output in op.outputs)
+    inputs = op.tensor_inputs
+    if op.target in _MATMULS and inputs:
+        return 2.0 * out * (inputs[0].shape[-1] if inputs[0].shape else 1)
+    if op.target in _ATTENTION and len(inputs) >= 3:
+        query, key = inputs[0].shape, inputs[1].shape
+        return 4.0 * math.prod(query) * (key[-2] if len(key) >= 2 else 1)
+    return float(out + sum(math.prod(piece.shape) for piece in inputs))
+
+
+def _balanced_cuts(ops: Sequence[Op], stages: int) -> list[int]:
+    """``stages - 1`` cut indices into ``ops``: near equal cost, each at the fewest crossing activation bytes nearby."""
+    costs = [op_cost(op) for op in ops]
+    prefix = [0.0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    crossing = _crossing_bytes(ops)
+    total, cuts, previous = prefix[-1], [], 0
+    for k in range(1, stages):
+        target, window = k * total / stages, 0.2 * total / stages
+        last_allowed = len(ops) - (stages - k)
+        candidates = [index for index in range(previous + 1, last_allowed + 1) if abs(prefix[index] - target) <= window]
+        if not candidates:
+            candidates = [min(range(previous + 1, last_allowed + 1), key=lambda index: abs(prefix[index] - target))]
+        best = min(candidates, key=lambda index: (crossing[index], abs(prefix[index] - target)))
+        cuts.append(best)
+        previous = best
+    return cuts
+
+
+def _crossing_bytes(ops: Sequence[Op]) -> list[int]:
+    """``crossing[i]``: bytes of the tensors written by ``ops[:i]`` and read by ``ops[i:]``."""
+    position = {op.name: index for index, op in enumerate(ops)}
+    produced_at = {output.name: (position[op.name], math.prod(output.shape) * dtype_bytes(output.tensor.dtype)) for op in ops for output in op.outputs}
+    last_read: dict[str, int] = {}
+    for index, op in enumerate(ops):
+        for piece in op.tensor_inputs:
+            if piece.name in produced_at:
+                last_read[piece.name] = index
+    delta = [0] * (len(ops) + 2)
+    for name, last in last_read.items():
+        first, size = produced_at[name]
+        delta[first + 1] += size
+        delta[last + 1] -= size
+    crossing, running = [], 0
+    for index in range(len(ops) + 1):
+        running += delta[index]
+        crossing.append(running)
+    return crossing
+
+
+# --- tensor parallelism inside stages --------------------------------------------------------------
+
+
+def _split_stages(graph: Graph, tp: int, grid: DeviceGrid, order: Schedule, choose) -> None:
+    """Megatron-split each (replica, stage, microbatch) segment's ops over its stage's ``tp`` ranks."""
+    by_segment: dict[tuple[int, tuple[int, int]], list[str]] = {}
+    for op in graph.ops:
+        if op.segment != PROLOGUE:
+            by_segment.setdefault((op.device, op.segment), []).append(op.name)
+    for (first_rank, segment), names in by_segment.items():
+        ranks = list(range(first_rank, first_rank + tp))
+        walk = tensor_parallel(graph, tp, names, choose)
+        for pieces in walk.split:
+            for index, piece in enumerate(pieces):
+                op_assign(graph, piece, ranks[index * tp // len(pieces)], segment=segment)
+        for op in walk.whole:
+            for index, copy in enumerate(replicate(graph, op, tp)):
+                op_assign(graph, copy, ranks[index], segment=segment)

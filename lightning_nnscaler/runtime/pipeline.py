@@ -1,0 +1,178 @@
+"""Running a pipelined rank module: its ``SCHEDULE`` of F/B/W actions over segments, in that order.
+
+The generated module (``codegen.segments``) gives one function per segment and the boundary
+messages of each. This runner:
+
+- runs ``prologue`` once (no gradients), then each action of ``SCHEDULE`` in order;
+- ``F(s, m)``: receives the segment's boundary inputs (from itself when the producing segment is
+  on this rank), makes each floating one a leaf that requires grad — so the segment's backward
+  stops at its own inputs —, runs the segment function with a fresh token and sends (asynchronously)
+  the boundary tensors it returns; what backward needs stays stashed under ``(s, m)``;
+- ``B(s, m)``: receives the gradients of the segment's sent floating tensors, runs autograd backward
+  through that segment only (its loss pieces seeded with the loss scale, its token chain included,
+  so inline tensor-parallel communication replays in reverse), and sends each floating boundary
+  input's gradient back to its producer (zeros when it got none: both ends decide by dtype alone);
+- with ``W`` actions (zero-bubble), ``B`` computes the input gradients only (keeping the graph) and
+  ``W(s, m)`` then accumulates the weight gradients.
+
+Replicated gradients: the reducer accumulates locally over the step's backward actions and sums once,
+its buckets starting during the rank's last backward action (``GradientReducer`` as with one segment).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import torch
+
+from lightning_nnscaler.runtime.autograd_comm import BACKWARD_TAG_OFFSET
+from lightning_nnscaler.runtime.comm import Communicator
+
+_ACTION = re.compile(r"(\d+)([FBW])(\d+)")
+
+
+@dataclass
+class _Stash:
+    """What a segment's forward left for its backward."""
+
+    received: dict[int, torch.Tensor]
+    sent: dict[int, torch.Tensor]
+    seeds: list[torch.Tensor]
+    token: torch.Tensor
+    root: torch.Tensor | None = None  # zero-bubble: B's differentiated root, kept for W
+
+
+@dataclass
+class PipelineRun:
+    """One step of a pipelined module on one rank.
+
+    Args:
+        module: The rank's generated module.
+        rank: This rank.
+        communicator: Its communicator.
+        held: The rank's held tensors by variable (pieces, constants, the batch boxes).
+        parameters: The parameters whose gradients ``W`` accumulates.
+        device: Where new tensors go.
+    """
+
+    module: ModuleType
+    rank: int
+    communicator: Communicator
+    held: dict[str, torch.Tensor]
+    parameters: list[torch.Tensor]
+    device: torch.device
+    stash: dict[tuple[int, int], _Stash] = field(default_factory=dict)
+    local_activations: dict[int, torch.Tensor] = field(default_factory=dict)
+    local_gradients: dict[int, torch.Tensor] = field(default_factory=dict)
+    shared: dict[str, torch.Tensor] = field(default_factory=dict)
+    seeds: list[torch.Tensor] = field(default_factory=list)
+    executed: list[tuple[str, float, float]] = field(default_factory=list)
+    """``(action, start, end)`` in ``time.perf_counter`` seconds, for each action run (when ``trace``)."""
+
+    def actions(self, backward: bool) -> list[tuple[str, int, int]]:
+        """``SCHEDULE`` as ``(kind, stage, microbatch)``; forward actions only when not ``backward``."""
+        parsed = []
+        for text in self.module.SCHEDULE:
+            stage, kind, microbatch = _ACTION.fullmatch(text).groups()
+            if backward or kind == "F":
+                parsed.append((kind, int(stage), int(microbatch)))
+        return parsed
+
+    def run(self, *, backward: bool, loss_scale: float | torch.Tensor, before_last_backward=None, trace: bool = False) -> list[torch.Tensor]:
+        """Run the prologue and every action; returns the seeded loss pieces (detached).
+
+        ``before_last_backward()`` is called right before the last action that accumulates
+        parameter gradients (the reducer's buckets start during it).
+        """
+        import time
+
+        with torch.no_grad():
+            self.shared, _ = self.module.prologue(self.held, self.communicator, torch.zeros((), device=self.device))
+        actions = self.actions(backward)
+        accumulating = "W" if any(kind == "W" for kind, _, _ in actions) else "B"
+        last = max((index for index, (kind, _, _) in enumerate(actions) if kind == accumulating), default=None)
+        for index, (kind, stage, microbatch) in enumerate(actions):
+            if index == last and before_last_backward is not None:
+                before_last_backward()
+            start = time.perf_counter() if trace else 0.0
+            if kind == "F":
+                self.forward(stage, microbatch, backward)
+            elif kind == "B":
+                self.backward(stage, microbatch, loss_scale, input_gradients_only=accumulating == "W")
+            else:
+                self.weights(stage, microbatch)
+            if trace:
+                self.executed.append((f"{stage}{kind}{microbatch}", start, time.perf_counter()))
+        return self.seeds
+
+    def forward(self, stage: int, microbatch: int, backward: bool) -> None:
+        """F: receive the boundary inputs, run the segment, send its boundary outputs, stash for B."""
+        segment = (stage, microbatch)
+        received = {}
+        for tag, src, shape, dtype in self.module.BOUNDARY_IN.get(segment, []):
+            tensor = self.local_activations.pop(tag) if src == self.rank else self.communicator.recv(shape, dtype, src, tag)
+            if backward and tensor.is_floating_point():
+                tensor = tensor.detach().requires_grad_()
+            received[tag] = tensor
+        token = torch.zeros((), device=self.device, requires_grad=backward)
+        with torch.set_grad_enabled(backward):
+            sent, outputs, token = self.module.SEGMENTS[segment](self.held, self.shared, received, self.communicator, token)
+        for tag, dst in self.module.BOUNDARY_OUT.get(segment, []):
+            if dst == self.rank:
+                self.local_activations[tag] = sent[tag]
+            else:
+                self.communicator.send(sent[tag], dst, tag)
+        seeds = [outputs[name] for name, _, seed, seed_segment in self.module.OUTPUTS if seed and tuple(seed_segment) == segment]
+        self.seeds += [seed.detach() for seed in seeds]
+        if backward:
+            self.stash[segment] = _Stash(received, sent, seeds, token)
+
+    def backward(self, stage: int, microbatch: int, loss_scale: float | torch.Tensor, *, input_gradients_only: bool) -> None:
+        """B: gradients of the sent tensors in, backward through the segment, input gradients out."""
+        segment = (stage, microbatch)
+        entry = self.stash[segment] if input_gradients_only else self.stash.pop(segment)
+        roots, gradients = [], []
+        for tag, dst in self.module.BOUNDARY_OUT.get(segment, []):
+            value = entry.sent[tag]
+            if not value.is_floating_point():
+                continue
+            if dst == self.rank:
+                gradient = self.local_gradients.pop(tag)
+            else:
+                gradient = self.communicator.recv(value.shape, value.dtype, dst, tag + BACKWARD_TAG_OFFSET)
+            if value.requires_grad:
+                roots.append(value)
+                gradients.append(gradient)
+        for seed in entry.seeds:
+            if seed.requires_grad:
+                roots.append(seed)
+                gradients.append(torch.ones_like(seed) * loss_scale)
+        root = entry.token * 0
+        for tensor, gradient in zip(roots, gradients):
+            root = root + (tensor * gradient).sum()
+        leaves = [tensor for tensor in entry.received.values() if tensor.requires_grad]
+        if input_gradients_only:
+            grads = torch.autograd.grad(root, leaves, retain_graph=True, allow_unused=True) if leaves else ()
+            entry.root = root
+            input_gradients = dict(zip((id(leaf) for leaf in leaves), grads))
+        else:
+            root.backward()
+            input_gradients = {id(leaf): leaf.grad for leaf in leaves}
+        for tag, src, shape, dtype in self.module.BOUNDARY_IN.get(segment, []):
+            tensor = entry.received[tag]
+            if not tensor.is_floating_point():
+                continue
+            gradient = input_gradients.get(id(tensor))
+            gradient = torch.zeros(shape, dtype=dtype, device=self.device) if gradient is None else gradient
+            if src == self.rank:
+                self.local_gradients[tag] = gradient
+            else:
+                self.communicator.send(gradient, src, tag + BACKWARD_TAG_OFFSET)
+
+    def weights(self, stage: int, microbatch: int) -> None:
+        """W: accumulate the segment's weight gradients from the root its B kept."""
+        entry = self.stash.pop((stage, microbatch))
+        if entry.root is not None and entry.root.requires_grad and self.parameters:
+            entry.root.backward(inputs=self.parameters)
