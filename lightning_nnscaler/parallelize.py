@@ -6,6 +6,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from lightning_nnscaler.capture.trace import trace_training_step
 from lightning_nnscaler.codegen import emit_rank, module_from_source, save_sources
 from lightning_nnscaler.codegen.load import digest
 from lightning_nnscaler.ir.graph import Graph
+from lightning_nnscaler.ir.op import PROLOGUE
 from lightning_nnscaler.ir.tensor import dtype_bytes
 from lightning_nnscaler.ir.validate import PlanError
 from lightning_nnscaler.materialize.dependencies import materialize
@@ -25,6 +27,7 @@ from lightning_nnscaler.plans.context import PipelinePlan
 from lightning_nnscaler.plans.layout import RecipeLayout, single_replica
 from lightning_nnscaler.runtime.comm import Communicator
 from lightning_nnscaler.runtime.executor import RankExecutor, merge_gradients
+from lightning_nnscaler.schedules import Durations, bubble_fraction, execute, grid, lower, theoretical_bubble_fraction, validate
 from lightning_nnscaler.verify import EquivalenceError, evaluate
 
 CODEGEN_VERSION = "1"
@@ -131,28 +134,67 @@ class Plan:
 
     def explain(self) -> str:
         """Per-rank parameter, gradient, optimizer (AdamW) and activation bytes, and communication per step."""
-        rows = [explain_rank(self.program, rank) for rank in range(self.world_size)]
+        rows = [explain_rank(self.program, rank, self.pipeline) for rank in range(self.world_size)]
         header = f"{'rank':>4} {'params':>12} {'grads':>12} {'optimizer':>12} {'activations':>12} {'comm/step':>12}"
         lines = [f"plan {self.plan_hash[:12]}: recipe {self.recipe} {self.params} on {self.world_size} ranks", header]
         for rank, row in enumerate(rows):
             lines.append(f"{rank:>4} " + " ".join(f"{_human(row[key]):>12}" for key in ("parameters", "gradients", "optimizer", "activations", "communication")))
+        if self.pipeline is not None:
+            lines += ["", explain_pipeline(self.pipeline)]
         return "\n".join(lines)
 
 
-def explain_rank(program: Program, rank: int) -> dict[str, int]:
-    """Bytes this rank holds and moves per step (forward and backward)."""
+def explain_pipeline(pipeline: PipelinePlan) -> str:
+    """The schedule's bubble (formula and symbolic execution: F = 1, B = 2, W = 1 of them) and its
+    action grid over the pipeline positions, each action at the step it runs."""
+    schedule = pipeline.schedule
+    ranks, microbatches = schedule.world_size, schedule.microbatches
+    virtual = schedule.stages // ranks
+    durations = Durations()
+    timeline = execute(schedule, lambda action: durations.of(action, schedule.splits_backward))
+    measured = bubble_fraction(schedule, durations)
+    formula = theoretical_bubble_fraction(ranks, microbatches, virtual)
+    header = (
+        f"pipeline: {schedule.stages} stages on {ranks} positions, {microbatches} microbatches; bubble {measured:.1%} "
+        f"(symbolic run, F=1 B=2{' W=1, B split' if schedule.splits_backward else ''}); (p-1)/({'v·' if virtual > 1 else ''}m+p-1) = {formula:.1%}"
+    )
+    return header + "\n" + grid(schedule, timeline)
+
+
+def explain_rank(program: Program, rank: int, pipeline: PipelinePlan | None = None) -> dict[str, int]:
+    """Bytes this rank holds and moves per step (forward and backward).
+
+    Activations are the outputs kept for backward; under a ``pipeline``, the most that its schedule
+    keeps at once (each segment's from its F to its last backward half).
+    """
     rank_program = program.ranks[rank]
     parameters = sum(math.prod(b - a for a, b in local.box) * 4 for local in rank_program.inputs if local.role == "parameter")
     activations = 0
     communication = 0
+    kept: dict[object, int] = {}
     for action in rank_program.actions:
         if isinstance(action, Compute) and action.op.recompute is None and not action.op.no_grad:
-            activations += sum(math.prod(output.shape) * dtype_bytes(output.tensor.dtype) for output in action.op.outputs)
+            kept[action.segment] = kept.get(action.segment, 0) + sum(math.prod(output.shape) * dtype_bytes(output.tensor.dtype) for output in action.op.outputs)
         elif isinstance(action, Recv):
             communication += 2 * math.prod(action.shape) * dtype_bytes(action.dtype)  # forward + gradient back
         elif isinstance(action, Collective):
             communication += 2 * action.bytes_per_device  # the backward is the adjoint collective
+    activations = sum(kept.values()) if pipeline is None else _peak_kept(kept, pipeline.actions(rank))
     return {"parameters": parameters, "gradients": parameters, "optimizer": 2 * parameters, "activations": activations, "communication": communication}
+
+
+def _peak_kept(kept: dict[object, int], actions: Sequence[Any]) -> int:
+    """The most activation bytes alive at once when ``actions`` run in order (freed at the last backward half)."""
+    release = "W" if any(action.kind.value == "W" for action in actions) else "B"
+    alive = peak = 0
+    for action in actions:
+        segment = (action.stage, action.microbatch)
+        if action.kind.value == "F":
+            alive += kept.get(segment, 0)
+        elif action.kind.value == release:
+            alive -= kept.get(segment, 0)
+        peak = max(peak, alive)
+    return peak
 
 
 def _human(count: int) -> str:
@@ -227,6 +269,8 @@ def build_plan(
     check_batch_split(program, graph, layout or single_replica(world_size, {}), recipe)
     if program.pipelined and pipeline is None:
         raise PlanError("the plan's ops carry pipeline segments but no schedule orders them: pass pipeline= (a PipelinePlan)")
+    if pipeline is not None:
+        check_pipeline(program, pipeline)
     schedules = [[str(action) for action in pipeline.actions(rank)] if pipeline else None for rank in range(world_size)]
     plan_hash = digest("\n".join([CODEGEN_VERSION, str(world_size), str(zero_stage), str(graph), str(planned), str(schedules)]))
     label = f"recipe {recipe}" + (f" {params}" if params else "")
@@ -234,6 +278,30 @@ def build_plan(
     return Plan(
         module, example_args, step, recipe, params, world_size, graph, planned, program, sources, plan_hash, zero_stage, layout, pipeline=pipeline,
     )
+
+
+def check_pipeline(program: Program, pipeline: PipelinePlan) -> None:
+    """Raise before any process starts unless ``pipeline`` can run ``program``.
+
+    The schedule must validate (``schedules.validate`` of its lowering: every dependency respected,
+    messages paired in order, no cross-rank cycle; a ``ScheduleError`` shows the step × rank grid),
+    and each rank's schedule must run exactly the segments its program has.
+
+    Raises:
+        ScheduleError: the schedule would hang or run an action before its dependency.
+        PlanError: a rank's schedule and its segments differ.
+    """
+    validate(lower(pipeline.schedule))
+    if len(pipeline.column_of_rank) != program.world_size:
+        raise PlanError(f"the pipeline places {len(pipeline.column_of_rank)} ranks, but the plan has {program.world_size}")
+    for rank_program in program.ranks:
+        scheduled = {(action.stage, action.microbatch) for action in pipeline.actions(rank_program.rank)}
+        present = {action.segment for action in rank_program.actions if isinstance(action, Compute)} - {PROLOGUE}
+        if present - scheduled:
+            raise PlanError(
+                f"rank {rank_program.rank} runs segments {sorted(present - scheduled)[:4]} (stage, microbatch) that its schedule "
+                f"never runs; its schedule: {[str(action) for action in pipeline.actions(rank_program.rank)][:12]}"
+            )
 
 
 def check_batch_split(program: Program, graph: Graph, layout: RecipeLayout, recipe: str) -> None:

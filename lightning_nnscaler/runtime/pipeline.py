@@ -116,9 +116,12 @@ class PipelineRun:
             if backward and tensor.is_floating_point():
                 tensor = tensor.detach().requires_grad_()
             received[tag] = tensor
+        function = self.module.SEGMENTS.get(segment)
+        if function is None:
+            return  # a segment with no ops on this rank (e.g. a stage whose work its peers do)
         token = torch.zeros((), device=self.device, requires_grad=backward)
         with torch.set_grad_enabled(backward):
-            sent, outputs, token = self.module.SEGMENTS[segment](self.held, self.shared, received, self.communicator, token)
+            sent, outputs, token = function(self.held, self.shared, received, self.communicator, token)
         for tag, dst in self.module.BOUNDARY_OUT.get(segment, []):
             if dst == self.rank:
                 self.local_activations[tag] = sent[tag]
@@ -132,6 +135,8 @@ class PipelineRun:
     def backward(self, stage: int, microbatch: int, loss_scale: float | torch.Tensor, *, input_gradients_only: bool) -> None:
         """B: gradients of the sent tensors in, backward through the segment, input gradients out."""
         segment = (stage, microbatch)
+        if segment not in self.stash:
+            return  # no ops on this rank
         entry = self.stash[segment] if input_gradients_only else self.stash.pop(segment)
         roots, gradients = [], []
         for tag, dst in self.module.BOUNDARY_OUT.get(segment, []):
@@ -173,6 +178,6 @@ class PipelineRun:
 
     def weights(self, stage: int, microbatch: int) -> None:
         """W: accumulate the segment's weight gradients from the root its B kept."""
-        entry = self.stash.pop((stage, microbatch))
-        if entry.root is not None and entry.root.requires_grad and self.parameters:
+        entry = self.stash.pop((stage, microbatch), None)
+        if entry is not None and entry.root is not None and entry.root.requires_grad and self.parameters:
             entry.root.backward(inputs=self.parameters)

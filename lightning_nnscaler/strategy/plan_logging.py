@@ -71,7 +71,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
     their total, and communication per step)."""
     memory = {}
     for rank in range(plan.world_size):
-        row = explain_rank(plan.program, rank)
+        row = explain_rank(plan.program, rank, plan.pipeline)
         held = row["parameters"] + row["gradients"] + row["optimizer"] + row["activations"]
         memory[f"rank{rank}"] = {**{f"{key}_bytes": value for key, value in row.items()}, "total_bytes": held}
     return {

@@ -2,7 +2,8 @@
 merge to a plain checkpoint, and survive a rank killed while saving.
 
 Saved: tp on 2 ranks, 1 epoch of 10 steps. Resumed to 2 epochs: (a) tp on 2 ranks, (b) dp on 2
-ranks, (c) tp on 4 ranks; steps 11-20 must equal an uninterrupted 2-epoch tp run.
+ranks, (c) tp on 4 ranks, (d) the 1F1B pipeline on 2 ranks; and saved under 1F1B, resumed under tp;
+steps 11-20 must equal an uninterrupted 2-epoch tp run.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def two_ranks(saved: Path) -> dict:
         ("tp saving", "nnscaler_tp", 1, {"checkpoint_dir": str(saved)}),
         ("tp resumed", "nnscaler_tp", 2, {**resume, "validate": False}),
         ("dp resumed", "nnscaler", 2, {**resume, "validate": False}),
+        ("1f1b resumed", "nnscaler_1f1b", 2, {**resume, "validate": False}),
+        ("1f1b saving", "nnscaler_1f1b", 1, {"checkpoint_dir": str(saved / "1f1b")}),
+        ("tp resumed from 1f1b", "nnscaler_tp", 2, {"resume_from": str(saved / "1f1b" / SAVED), "validate": False}),
     ]
     return launch(runs_worker, 2, runs, timeout=280)[0]
 
@@ -52,7 +56,7 @@ def four_ranks(saved: Path, two_ranks: dict) -> dict:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("label", ["tp resumed", "dp resumed", "tp4 resumed"])
+@pytest.mark.parametrize("label", ["tp resumed", "dp resumed", "tp4 resumed", "1f1b resumed", "tp resumed from 1f1b"])
 def test_resumed_steps_equal_an_uninterrupted_run(two_ranks: dict, four_ranks: dict, label: str) -> None:
     expected = two_ranks["uninterrupted tp"]["losses"][STEPS_PER_EPOCH:]
     actual = {**two_ranks, **four_ranks}[label]["losses"]

@@ -1,0 +1,131 @@
+"""Pipelined plans (gpipe, 1f1b, interleaved, zb1, hybrid3d): equivalence, generated segments, schedule checks."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import lightning_nnscaler as lnn
+from lightning_nnscaler.models.gpt import GPT, GPTConfig
+from lightning_nnscaler.models.mbart import MBart, MBartConfig
+from lightning_nnscaler.models.swin import Swin, SwinConfig
+from lightning_nnscaler.parallelize import build_plan
+from lightning_nnscaler.plans.context import PipelinePlan, PlanContext
+from lightning_nnscaler.plans.pipeline import cut_stages, pipeline
+from lightning_nnscaler.schedules import Schedule, ScheduleError, one_f_one_b
+
+
+def gpt_and_batch(batch_size: int = 8) -> tuple[GPT, object]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.small())
+    return model, model.example_batch(batch_size, torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize(
+    ("recipe", "world_size", "params"),
+    [
+        ("hybrid3d", 8, {"dp": 2, "tp": 2, "pp": 2}),
+        ("hybrid3d", 16, {"dp": 2, "tp": 2, "pp": 4}),
+        ("interleaved", 4, {"microbatches": 4, "virtual_stages": 2}),
+        ("zb1", 4, {"microbatches": 8}),
+    ],
+)
+def test_pipelined_plans_verify_against_one_device(recipe: str, world_size: int, params: dict) -> None:
+    model, batch = gpt_and_batch()
+    plan = lnn.parallelize(model, batch, recipe, world_size, step="training_step", **params)
+    report = plan.verify()
+    assert report.parameters_checked == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("model_class", [Swin, MBart], ids=["swin", "mbart"])
+def test_reference_models_run_1f1b_at_4_ranks(model_class: type) -> None:
+    torch.manual_seed(0)
+    model = model_class((SwinConfig if model_class is Swin else MBartConfig).small())
+    plan = lnn.parallelize(model, model.example_batch(4, torch.Generator().manual_seed(0)), "1f1b", 4, step="training_step")
+    plan.verify()
+
+
+def test_each_rank_runs_one_function_per_segment_in_its_schedule_order() -> None:
+    model, batch = gpt_and_batch()
+    plan = lnn.parallelize(model, batch, "1f1b", 2, step="training_step", microbatches=4)
+    expected = one_f_one_b(2, 4).as_text()
+    for rank, source in enumerate(plan.sources):
+        schedule = eval(re.search(r"^SCHEDULE = (\[.*?\])", source, re.M).group(1))  # noqa: S307 - our own generated literal
+        assert schedule == expected[rank]
+        functions = re.findall(r"^def (stage\d+_microbatch\d+)\(held, shared, received, communicator, token\):", source, re.M)
+        assert functions == [f"stage{rank}_microbatch{microbatch}" for microbatch in range(4)]
+        assert "def prologue(held, communicator, token):" in source and "def forward(" not in source
+
+
+def test_stages_are_cut_between_blocks_and_hand_over_the_residual_stream_alone() -> None:
+    """The cut lands where the fewest bytes cross: one (rows, seq, hidden) tensor per microbatch."""
+    model, batch = gpt_and_batch()
+    plan = lnn.parallelize(model, batch, "gpipe", 2, step="training_step", microbatches=2)
+    received = re.findall(r"^    \((\d+), (\d+)\): \[(.*)\],$", plan.sources[1].split("BOUNDARY_OUT")[0].split("BOUNDARY_IN")[1], re.M)
+    assert [(stage, microbatch) for stage, microbatch, _ in received] == [("1", "0"), ("1", "1")]
+    for _, _, messages in received:
+        assert messages.count("torch.float32") == 1 and "(4, 16, 32)" in messages
+    graph = lnn.trace(model, batch, step="training_step")
+    stage_of = cut_stages(graph, 2).stage_of
+    assert {stage_of[op.name] for op in graph.ops if "blocks_0" in str(op)} == {0}
+    assert {stage_of[op.name] for op in graph.ops if "blocks_1" in str(op) or "lm_head" in str(op)} == {1}
+
+
+def test_explain_shows_the_grid_the_bubble_and_what_1f1b_stashes() -> None:
+    model, batch = gpt_and_batch()
+    explained = {recipe: lnn.parallelize(model, batch, recipe, 2, step="training_step", microbatches=8).explain() for recipe in ("gpipe", "1f1b")}
+    assert "bubble 11.1%" in explained["1f1b"] and "(p-1)/(m+p-1) = 11.1%" in explained["1f1b"]
+    assert "step | rank 0 | rank 1" in explained["1f1b"]
+
+    def stage0_activations(text: str) -> float:
+        return float(text.splitlines()[2].split()[7])
+
+    assert stage0_activations(explained["gpipe"]) == pytest.approx(4 * stage0_activations(explained["1f1b"]))  # m=8 vs p=2
+
+
+def hand_plan(actions: list[list[str]]) -> Exception:
+    """Build a 2-rank, 2-microbatch 1F1B plan but run it under the hand-written ``actions``."""
+    model, batch = gpt_and_batch(4)
+    graph = lnn.trace(model, batch, step="training_step")
+    planned = graph.copy()
+    ctx = PlanContext(2)
+    pipeline(planned, ctx, schedule="1f1b", microbatches=2)
+    bad = PipelinePlan(Schedule.from_text(actions, (0, 1), 2), ctx.pipeline.column_of_rank)
+    with pytest.raises(ScheduleError) as caught:
+        build_plan(model, batch, "training_step", graph, planned, 2, pipeline=bad)
+    return caught.value
+
+
+GRID = re.compile(r"^step \| rank 0 +\| rank 1", re.M)
+
+
+def test_a_backward_before_its_forward_is_refused_with_the_grid() -> None:
+    error = str(hand_plan([["0F0", "0B0", "0F1", "0B1"], ["1B0", "1F0", "1F1", "1B1"]]))
+    assert GRID.search(error) and "*1B0*" in error and "a backward before its forward" in error
+
+
+def test_crossed_messages_are_refused_with_the_grid() -> None:
+    error = str(hand_plan([["0F0", "0F1", "0B0", "0B1"], ["1F1", "1F0", "1B0", "1B1"]]))
+    assert GRID.search(error) and "crossed send/recv order from rank 0 to rank 1" in error
+
+
+def test_a_cross_rank_cycle_is_refused_with_the_grid() -> None:
+    error = str(hand_plan([["0F0", "0B0", "0F1", "0B1"], ["1F0", "1F1", "1B0", "1B1"]]))
+    assert GRID.search(error) and "cross-rank cycle: rank 0 -> rank 1 -> rank 0" in error
+
+
+@pytest.mark.parametrize(
+    ("recipe", "params", "message"),
+    [
+        ("1f1b", {"microbatches": 3}, r"microbatches \(3\) must divide each replica's batch \(8 rows\)"),
+        ("1f1b", {"stages": 3}, r"stages \(3\) must be a positive divisor of world_size \(4\)"),
+        ("interleaved", {"microbatches": 2, "virtual_stages": 2}, "microbatches divisible by ranks"),
+        ("hybrid3d", {"dp": 2, "tp": 1, "pp": 3}, r"dp \(2\) × tp \(1\) × pp \(3\) = 6 must equal world_size \(4\)"),
+    ],
+)
+def test_bad_pipeline_parameters_are_refused_naming_the_setting(recipe: str, params: dict, message: str) -> None:
+    model, batch = gpt_and_batch()
+    with pytest.raises(ValueError, match=message):
+        lnn.parallelize(model, batch, recipe, 4, step="training_step", **params)
