@@ -1,6 +1,10 @@
 """``lightning-nnscaler``: the command line.
 
     lightning-nnscaler recipes                 the recipe catalog, a line each (with its parameters)
+    lightning-nnscaler train [key=value ...]   the Hydra training app (python -m lightning_nnscaler.train); -m sweeps
+    lightning-nnscaler plan [--out DIR] [key=value ...]
+                                               plan a config (e.g. model=gpt recipe=tp world_size=8) in this process:
+                                               per-rank table, per-rank code and plan.png under DIR (default: plan)
     lightning-nnscaler --import MODULE ...     import MODULE first (it registers your own recipes)
     lightning-nnscaler ckpt info DIR           a sharded checkpoint's plan, files and leftovers (or a plain file's summary)
     lightning-nnscaler ckpt info --verify DIR  the same, after reading and checking every file (sizes, hashes, save tokens)
@@ -14,10 +18,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import subprocess
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 from lightning_nnscaler import checkpoint
+from lightning_nnscaler.app.config import ConfigError
 from lightning_nnscaler.plans.catalog import RecipeError, list_recipes
 
 
@@ -38,6 +45,30 @@ def _ckpt_merge(arguments: argparse.Namespace) -> None:
     print(f"wrote {arguments.output}: a plain Lightning checkpoint (loads with any strategy, e.g. strategy='auto')")
 
 
+def _train(arguments: argparse.Namespace) -> None:
+    """Forward the Hydra overrides to ``python -m lightning_nnscaler.train`` (its exit status becomes ours)."""
+    completed = subprocess.run([sys.executable, "-m", "lightning_nnscaler.train", *arguments.overrides], check=False)
+    if completed.returncode:
+        raise SystemExit(completed.returncode)
+
+
+def _plan(arguments: argparse.Namespace) -> None:
+    from lightning_nnscaler.app.plan_command import plan_command
+
+    plan_command(arguments.overrides, Path(arguments.out))
+
+
+def split_hydra_command(argv: Sequence[str]) -> tuple[list[str], list[str]] | None:
+    """``(options before the command, [command, *rest])`` when the command is ``train`` or ``plan``, whose
+    Hydra overrides (``-m``, ``key=value``) argparse must not read; None otherwise."""
+    index = 0
+    while index < len(argv) and argv[index].startswith("--import"):
+        index += 1 if "=" in argv[index] else 2
+    if index < len(argv) and argv[index] in ("train", "plan"):
+        return list(argv[:index]), list(argv[index:])
+    return None
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``lightning-nnscaler``."""
     root = argparse.ArgumentParser(prog="lightning-nnscaler", description="lightning-nnscaler tools")
@@ -47,6 +78,13 @@ def parser() -> argparse.ArgumentParser:
     )
     commands = root.add_subparsers(dest="command", required=True)
     commands.add_parser("recipes", help="list the recipe catalog").set_defaults(run=_recipes)
+    train = commands.add_parser("train", help="the Hydra training app: lightning-nnscaler train [-m] [key=value ...]")
+    train.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. recipe=coshard recipe.params.shards=2 trainer.devices=2")
+    train.set_defaults(run=_train)
+    plan = commands.add_parser("plan", help="plan a config without starting processes: table, per-rank code, plan.png")
+    plan.add_argument("--out", default="plan", help="folder for the per-rank code and plan.png (default: plan)")
+    plan.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt recipe=tp world_size=8")
+    plan.set_defaults(run=_plan)
     ckpt = commands.add_parser("ckpt", help="sharded checkpoints").add_subparsers(dest="ckpt_command", required=True)
     info = ckpt.add_parser("info", help="print a sharded checkpoint's plan, files and leftovers, or a plain checkpoint's summary")
     info.add_argument("directory")
@@ -61,12 +99,18 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; returns the exit status (2 with a message for a bad checkpoint)."""
-    arguments = parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = split_hydra_command(argv)
+    if split is not None and split[1][0] == "train":  # Hydra's own flags (-m, --cfg, ...) pass through untouched
+        arguments = parser().parse_args([*split[0], "train"])
+        arguments.overrides = split[1][1:]
+    else:
+        arguments = parser().parse_args(argv)
     try:
         for module in arguments.imports:
             importlib.import_module(module)
         arguments.run(arguments)
-    except (checkpoint.CheckpointError, RecipeError) as error:
+    except (checkpoint.CheckpointError, RecipeError, ConfigError) as error:
         print(f"lightning-nnscaler: {error}", file=sys.stderr)
         return 2
     except OSError as error:  # e.g. the output of `ckpt merge` cannot be written

@@ -320,8 +320,13 @@ class _Builder:
         return var
 
     def check_coverage(self, piece: VTensor, sources: list[VTensor], reader: str) -> None:
-        """Every element must be covered by value parts adding up to exactly one whole."""
-        if not covers_exactly(piece.index, [(source.index, source.value) for source in sources]):
+        """Every element must be covered by value parts adding up to exactly one whole (or by copies
+        of the piece's own value share)."""
+        if all(source.value == piece.value for source in sources):  # the same value share, moved (a microbatch's loss part)
+            shares = [(source.index, ValueMask(0, 1)) for source in sources]
+        else:
+            shares = [(source.index, source.value) for source in sources]
+        if not covers_exactly(piece.index, shares):
             raise MaterializeError(
                 f"op {reader!r} reads {piece} but the pieces written before it do not add up to it exactly; "
                 "check the op_trans splits of its producers"

@@ -258,20 +258,25 @@ def op_cost(op: Op) -> float:
 
 
 def _balanced_cuts(ops: Sequence[Op], stages: int) -> list[int]:
-    """``stages - 1`` cut indices into ``ops``: near equal cost, each at the fewest crossing activation bytes nearby."""
+    """``stages - 1`` cut indices into ``ops`` of near equal cost, at *light* places where possible.
+
+    A light place is one where at most twice the fewest bytes that cross a cut inside the model (the
+    middle 80% of the cost) cross — between transformer blocks: the residual stream alone; each cut goes to the light place whose cost prefix
+    is nearest its target ``k × total / stages``, or to the nearest place when no light one is left.
+    """
     costs = [op_cost(op) for op in ops]
     prefix = [0.0]
     for cost in costs:
         prefix.append(prefix[-1] + cost)
     crossing = _crossing_bytes(ops)
+    inner = [crossing[index] for index in range(1, len(ops)) if 0.1 * prefix[-1] <= prefix[index] <= 0.9 * prefix[-1]]
+    lightest = min(inner or crossing[1 : len(ops)], default=0)  # inside the model, not the loss's scalars
     total, cuts, previous = prefix[-1], [], 0
     for k in range(1, stages):
-        target, window = k * total / stages, 0.2 * total / stages
-        last_allowed = len(ops) - (stages - k)
-        candidates = [index for index in range(previous + 1, last_allowed + 1) if abs(prefix[index] - target) <= window]
-        if not candidates:
-            candidates = [min(range(previous + 1, last_allowed + 1), key=lambda index: abs(prefix[index] - target))]
-        best = min(candidates, key=lambda index: (crossing[index], abs(prefix[index] - target)))
+        target = k * total / stages
+        allowed = range(previous + 1, len(ops) - (stages - k) + 1)
+        light = [index for index in allowed if crossing[index] <= 2 * lightest]
+        best = min(light or allowed, key=lambda index: (abs(prefix[index] - target), crossing[index]))
         cuts.append(best)
         previous = best
     return cuts
