@@ -260,7 +260,7 @@ def op_cost(op: Op) -> float:
 def _balanced_cuts(ops: Sequence[Op], stages: int) -> list[int]:
     """``stages - 1`` cut indices into ``ops`` of near equal cost, at *light* places where possible.
 
-    A light place is one where at most twice the fewest bytes that cross a cut inside the model (the
+    A light place is one where at most 1.25 times the fewest bytes that cross a cut inside the model (the
     middle 80% of the cost) cross — between transformer blocks: the residual stream alone; each cut goes to the light place whose cost prefix
     is nearest its target ``k × total / stages``, or to the nearest place when no light one is left.
     """
@@ -275,7 +275,7 @@ def _balanced_cuts(ops: Sequence[Op], stages: int) -> list[int]:
     for k in range(1, stages):
         target = k * total / stages
         allowed = range(previous + 1, len(ops) - (stages - k) + 1)
-        light = [index for index in allowed if crossing[index] <= 2 * lightest]
+        light = [index for index in allowed if crossing[index] <= 1.25 * lightest]
         best = min(light or allowed, key=lambda index: (abs(prefix[index] - target), crossing[index]))
         cuts.append(best)
         previous = best
