@@ -8,7 +8,7 @@ import torch
 from lightning_nnscaler.launch import launch
 from lightning_nnscaler.runtime.executor import Shard, merge_shards
 
-from workers import STEPS, single_device_run, train_recipes  # noqa: E402 - tests/integration is on sys.path
+from workers import STEPS, plan_recipes, single_device_run, train_planned  # noqa: E402 - tests/integration is on sys.path
 
 
 def pipelines_for(world_size: int) -> list[tuple[str, str, dict]]:
@@ -29,7 +29,7 @@ def pipelines_for(world_size: int) -> list[tuple[str, str, dict]]:
 def test_pipelines_match_single_device_training(world_size: int) -> None:
     expected_losses, expected_parameters = single_device_run("gpt")
     recipes = pipelines_for(world_size)
-    per_rank = launch(train_recipes, world_size, "gpt", recipes, timeout=500)
+    per_rank = launch(train_planned, world_size, "gpt", plan_recipes("gpt", world_size, recipes), timeout=500)  # planned once, here
     shapes = {key: tuple(value.shape) for key, value in expected_parameters.items()}
     for label, _, _ in recipes:
         for rank, results in enumerate(per_rank):

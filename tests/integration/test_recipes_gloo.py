@@ -9,7 +9,7 @@ from lightning_nnscaler.materialize import AlphaBeta
 from lightning_nnscaler.runtime.executor import Shard, merge_shards
 from lightning_nnscaler.launch import launch
 
-from workers import STEPS, single_device_run, train_recipes  # noqa: E402 - tests/integration is on sys.path
+from workers import STEPS, plan_recipes, single_device_run, train_planned  # noqa: E402 - tests/integration is on sys.path
 
 
 COLLECTIVES = {"communication_cost": AlphaBeta(alpha=0.0, launch=0.0)}  # price by volume only: collectives win
@@ -43,7 +43,7 @@ def recipes_for(model_name: str, world_size: int) -> list[tuple[str, str, dict]]
 def test_recipes_match_single_device_training(model_name: str, world_size: int) -> None:
     expected_losses, expected_parameters = single_device_run(model_name)
     recipes = recipes_for(model_name, world_size)
-    per_rank = launch(train_recipes, world_size, model_name, recipes, timeout=800)
+    per_rank = launch(train_planned, world_size, model_name, plan_recipes(model_name, world_size, recipes), timeout=800)  # planned once, here
     shapes = {key: tuple(value.shape) for key, value in expected_parameters.items()}
     for recipe, _, _ in recipes:
         for rank, results in enumerate(per_rank):

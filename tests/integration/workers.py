@@ -48,23 +48,30 @@ def single_device_run(model_name: str, steps: int = STEPS) -> tuple[list[float],
     return losses, {key: value.detach().clone() for key, value in model.named_parameters()}
 
 
-def train_recipes(rank: int, world_size: int, model_name: str, recipes: list[tuple[str, str, dict]], steps: int = STEPS) -> dict[str, Any]:
-    """For each (label, recipe, parameters): plan (every rank plans alike), then train ``steps`` AdamW
-    steps on real processes; results by label."""
-    torch.set_num_threads(1)  # several ranks share the cores: more intra-op threads only contend
-    results = {}
+def plan_recipes(model_name: str, world_size: int, recipes: list[tuple[str, str, dict]]) -> list[tuple[str, list[str], dict[str, torch.Tensor], list[str]]]:
+    """Plan each recipe once (in the test process): (label, per-rank sources, constants, batch input names)."""
+    planned = []
     for label, recipe, params in recipes:
         model, batch_size = build_model(model_name)
-        data = batches(model, batch_size, steps)
-        plan = lnn.parallelize(model, data[0], recipe, world_size, step="training_step", **params)
+        plan = lnn.parallelize(model, batches(model, batch_size, 1)[0], recipe, world_size, step="training_step", **params)
+        planned.append((label, plan.sources, plan.graph.constant_values, [tensor.name for tensor in plan.graph.user_inputs]))
+    return planned
+
+
+def train_planned(rank: int, world_size: int, model_name: str, planned: list[tuple[str, list[str], dict, list[str]]], steps: int = STEPS) -> dict[str, Any]:
+    """Train ``steps`` AdamW steps of each plan made by ``plan_recipes`` on real processes (each rank
+    runs its generated code); per label, the losses and this rank's final parameter shards."""
+    torch.set_num_threads(1)
+    results = {}
+    for label, sources, constants, input_names in planned:
+        model, batch_size = build_model(model_name)
         state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        module = module_from_source(plan.sources[rank], f"rank{rank}")
-        executor = RankExecutor(module, rank, state, plan.graph.constant_values, TorchDistributedCommunicator(timeout=60))
+        executor = RankExecutor(module_from_source(sources[rank], f"rank{rank}"), rank, state, constants, TorchDistributedCommunicator(timeout=60))
         optimizer = torch.optim.AdamW(executor.parameters(), lr=LEARNING_RATE)
         losses = []
-        for batch in data:
+        for batch in batches(model, batch_size, steps):
             optimizer.zero_grad()
-            inputs = {tensor.name: value for tensor, value in zip(plan.graph.user_inputs, lnn.flatten_inputs(batch, step="training_step"))}
+            inputs = dict(zip(input_names, lnn.flatten_inputs(batch, step="training_step")))
             losses.append(float(executor.forward_backward(inputs)))
             optimizer.step()
             executor.after_optimizer_step()
@@ -72,7 +79,6 @@ def train_recipes(rank: int, world_size: int, model_name: str, recipes: list[tup
         shards = [(shard.location, shard.tensor) for shard in executor.full_shards().values() if shard.location.state_key in parameter_keys]
         results[label] = {"losses": losses, "shards": shards}
     return results
-
 
 
 def die_mid_step(rank: int, world_size: int) -> tuple[str, float]:
