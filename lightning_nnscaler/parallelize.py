@@ -132,9 +132,20 @@ class Plan:
         replica = layout.replica(rank)
         return {tensor.name: replica * (tensor.shape[0] // layout.data_parallel) for tensor in self.graph.user_inputs if tensor.shape}
 
+    def memory_rows(self) -> list[dict[str, int]]:
+        """Per rank, ``explain_rank``: bytes of parameters, gradients, optimizer state, activations and communication."""
+        return [explain_rank(self.program, rank, self.pipeline) for rank in range(self.world_size)]
+
+    def draw(self, path: str | os.PathLike[str]) -> Path:
+        """Write the plan picture to ``path`` (PNG): per-rank memory bars and the per-rank timeline of one
+        step (compute, communication, idle; a pipeline's schedule), from a simple cost estimate."""
+        from lightning_nnscaler.draw import draw_plan  # matplotlib only when drawing
+
+        return draw_plan(self, path)
+
     def explain(self) -> str:
         """Per-rank parameter, gradient, optimizer (AdamW) and activation bytes, and communication per step."""
-        rows = [explain_rank(self.program, rank, self.pipeline) for rank in range(self.world_size)]
+        rows = self.memory_rows()
         header = f"{'rank':>4} {'params':>12} {'grads':>12} {'optimizer':>12} {'activations':>12} {'comm/step':>12}"
         lines = [f"plan {self.plan_hash[:12]}: recipe {self.recipe} {self.params} on {self.world_size} ranks", header]
         for rank, row in enumerate(rows):

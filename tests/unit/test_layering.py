@@ -26,9 +26,13 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"ir"},
     "verify": {"ir"},
     "checkpoint": {"ir"},
-    "parallelize": {"ir", "capture", "plans", "schedules", "materialize", "codegen", "runtime", "verify"},
+    "parallelize": {"ir", "capture", "plans", "schedules", "materialize", "codegen", "runtime", "verify", "draw"},
     "strategy": {"ir", "capture", "plans", "codegen", "runtime", "checkpoint", "parallelize"},
-    "cli": {"ir", "plans", "checkpoint", "parallelize"},
+    "data": set(),
+    "draw": {"ir", "materialize", "schedules"},
+    "app": {"data", "draw", "parallelize", "plans", "strategy"},
+    "train": {"app"},
+    "cli": {"ir", "plans", "checkpoint", "parallelize", "app"},
 }
 
 

@@ -67,7 +67,7 @@ def test_unknown_and_missing_parameters_are_named(gpt) -> None:
 
 
 def test_unknown_recipe_lists_the_catalog(gpt) -> None:
-    with pytest.raises(RecipeError, match=r"unknown recipe 'megatron'; the catalog has: coshard, dp, hybrid, sp, tp, (\w+, )*zero1, zero3.*register_recipe"):
+    with pytest.raises(RecipeError, match=r"unknown recipe 'megatron'; the catalog has: 1f1b, coshard, dp, gpipe, hybrid, (\w+, )*zero1, zero3.*register_recipe"):
         apply_recipe(gpt.graph.copy(), "megatron", 2)
 
 

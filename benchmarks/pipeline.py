@@ -1,0 +1,529 @@
+"""Pipeline schedules on 4 real gloo CPU ranks: step time, measured bubble, activation peaks, and
+torch.distributed.pipelining on the same stages (issue 8's acceptance).
+
+For each schedule (GPipe, 1F1B, interleaved 1F1B with v=2, ZB-H1) and m microbatches of a GPT:
+
+1. *ours*: the plan from ``lnn.parallelize(..., stages=p, microbatches=m)`` run by ``RankExecutor``
+   on spawned processes (torch.distributed over gloo, every wait bounded by a timeout); warm-up
+   steps, then timed ``forward_backward`` steps (barrier before and after each). The measured
+   bubble of a rank is ``1 - compute / step wall time``, compute being the time inside F/B/W actions
+   less the time those actions spent blocked in ``recv`` (waiting for a peer is bubble). It is
+   averaged over ranks and timed steps and printed next to the textbook value:
+   (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1), and for ZB-H1 the symbolic execution of our
+   schedule with F = B = W (``schedules.bubble_fraction``; about a third of 1F1B's bubble).
+2. Peak activation bytes per rank: bytes of distinct storages saved for backward
+   (``torch.autograd.graph.saved_tensors_hooks``, parameters excluded) alive at once during one
+   step, in units of one microbatch's worth of the rank's stage(s) (everything the rank saves in a
+   step / m), with the schedule's expected in-flight count in brackets (1F1B: p-r, GPipe: m).
+3. *torch*: ``torch.distributed.pipelining`` on the same model cut by hand where the plan cut it
+   (read from the parameters each rank holds, at sub-layer granularity)
+   (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B with 2 stages per rank,
+   ScheduleInterleavedZeroBubble with 1 stage per rank for ZB-H1), same microbatches, same ranks,
+   same warm-up and timed steps; ours / torch is the ratio (goal <= 1.0).
+   Known peer limit (torch 2.13, gloo CPU): ScheduleInterleavedZeroBubble's weight backward raises
+   "Trying to use a saved tensor that has been detached in-place" when a stage receives two tensors
+   (a cut between a layer norm and its attention); the row then reads n/a with torch's error.
+
+With fewer cores than ranks (the default machine: 4 ranks on 2 cores) ranks slow each other down
+while they compute at once, which makes measured bubbles smaller than on dedicated cores.
+
+Run: python benchmarks/pipeline.py            (about 3 minutes on 2 cores)
+     python benchmarks/pipeline.py --quick    (a smaller GPT and fewer steps)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import lightning_nnscaler as lnn
+from lightning_nnscaler.codegen import module_from_source
+from lightning_nnscaler.launch import LaunchError, launch
+from lightning_nnscaler.models.gpt import GPT, GPTConfig
+from lightning_nnscaler.runtime import TorchDistributedCommunicator
+from lightning_nnscaler.runtime.executor import RankExecutor
+from lightning_nnscaler.schedules import (
+    bubble_fraction, gpipe, interleaved, one_f_one_b, peak_in_flight, theoretical_bubble_fraction, zb1,
+)
+
+SCHEDULES: dict[str, dict[str, int]] = {"gpipe": {}, "1f1b": {}, "interleaved": {"virtual_stages": 2}, "zb1": {}}
+"""Our recipe names and their extra parameters."""
+SUBLAYERS = ("ln_1", "attn", "ln_2", "mlp")
+"""A GPT block's parameterized sub-layers in order: the units a pipeline stage cut may fall between."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The model, the pipeline and the measurement."""
+
+    hidden: int = 256
+    layers: int = 8
+    heads: int = 4
+    seq_len: int = 64
+    vocab: int = 512
+    batch: int = 16
+    stages: int = 4
+    microbatches: int = 8
+    warmup: int = 2
+    steps: int = 5
+    collective_timeout: float = 60.0
+    run_timeout: float = 420.0
+
+    def gpt_config(self) -> GPTConfig:
+        """The GPT's shape."""
+        return GPTConfig(vocab_size=self.vocab, seq_len=self.seq_len, hidden=self.hidden, layers=self.layers, heads=self.heads)
+
+
+@dataclass
+class PlanPayload:
+    """What a rank needs of a plan made in the parent: its code, constants and input names."""
+
+    name: str
+    virtual_stages: int
+    sources: list[str]
+    constants: dict[str, torch.Tensor]
+    input_names: list[str]
+    offsets: list[dict[str, int]]
+    chunk_blocks: list[list[int]] = field(default_factory=list)
+    """Half-blocks of each pipeline stage (chunk), read from the plan's held parameters (``chunk_blocks``)."""
+
+
+# --- model and plans (parent) -----------------------------------------------------------------------
+
+
+def build_model(settings: Settings) -> GPT:
+    """The GPT with seed-0 weights (the same on every process)."""
+    torch.manual_seed(0)
+    model = GPT(settings.gpt_config())
+    model.log = lambda *args, **kwargs: None
+    return model
+
+
+def example_batch(model: GPT, settings: Settings) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (tokens, targets) batch every step uses."""
+    return model.example_batch(settings.batch, torch.Generator().manual_seed(0))
+
+
+def make_plans(settings: Settings) -> list[PlanPayload]:
+    """Plan every schedule once (in the parent) and read where it cut the model into stages."""
+    model = build_model(settings)
+    batch = example_batch(model, settings)
+    payloads = []
+    for name, extra in SCHEDULES.items():
+        plan = lnn.parallelize(
+            model, batch, name, settings.stages, step="training_step", stages=settings.stages,
+            microbatches=settings.microbatches, **extra,
+        )
+        payload = PlanPayload(
+            name, extra.get("virtual_stages", 1), plan.sources, dict(plan.graph.constant_values),
+            [tensor.name for tensor in plan.graph.user_inputs], [plan.input_offsets(rank) for rank in range(settings.stages)],
+        )
+        payload.chunk_blocks = chunk_blocks(payload, settings)
+        payloads.append(payload)
+    return payloads
+
+
+def chunk_blocks(payload: PlanPayload, settings: Settings) -> list[list[int]]:
+    """The sub-layers (unit ``4·block + k``, k: ln_1, attn, ln_2, mlp) of each of the ``p·v``
+    pipeline stages, read from the parameters each rank holds (rank r holds stages r, r+p, …), so
+    that the torch stages are cut where the plan cut.
+
+    Raises:
+        ValueError: the plan cut inside a sub-layer, or put the embeddings or the head elsewhere.
+    """
+    chunks, ranks = settings.stages * payload.virtual_stages, settings.stages
+    owners: dict[int, set[int]] = {}
+    for rank, source in enumerate(payload.sources):
+        module = module_from_source(source, f"bench_{payload.name}_check{rank}")
+        for _, key, _, role in module.HELD.values():
+            if role in ("input", "constant"):
+                continue
+            if key.startswith("blocks."):
+                _, block, part = key.split(".")[:3]
+                owners.setdefault(4 * int(block) + SUBLAYERS.index(part), set()).add(rank)
+            elif key.split(".")[0] in ("token_embedding", "position_embedding") and rank != 0:
+                raise ValueError(f"{payload.name}: {key} is on rank {rank}, not on the first stage's rank 0")
+            elif key.split(".")[0] in ("ln_f", "lm_head") and rank != (chunks - 1) % ranks:
+                raise ValueError(f"{payload.name}: {key} is on rank {rank}, not on the last stage's rank {(chunks - 1) % ranks}")
+    stages: list[list[int]] = [[] for _ in range(chunks)]
+    chunk = 0
+    for unit in range(4 * settings.layers):
+        if len(owners.get(unit, ())) != 1:
+            raise ValueError(f"{payload.name}: blocks.{unit // 4}.{SUBLAYERS[unit % 4]} lies on ranks {sorted(owners.get(unit, ()))}")
+        owner = next(iter(owners[unit]))
+        while chunk % ranks != owner:
+            chunk += 1
+        if chunk >= chunks:
+            raise ValueError(f"{payload.name}: the plan's stages do not run through the ranks in order (blocks.{unit // 4})")
+        stages[chunk].append(unit)
+    return stages
+
+
+# --- measurement helpers (ranks) --------------------------------------------------------------------
+
+
+class TimedCommunicator(TorchDistributedCommunicator):
+    """The gloo communicator, recording when each blocking ``recv`` waited (``perf_counter`` seconds)."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(timeout)
+        self.waits: list[tuple[float, float]] = []
+
+    def recv(self, shape: Any, dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
+        """Receive as the base class does, timing the wait."""
+        start = time.perf_counter()
+        try:
+            return super().recv(shape, dtype, src, tag)
+        finally:
+            self.waits.append((start, time.perf_counter()))
+
+
+class _Saved:
+    """A tensor saved for backward; releases its bytes from the meter when autograd drops it."""
+
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter, key: int | None) -> None:
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self) -> None:
+        if self.key is not None:
+            self.meter.release(self.key)
+
+
+class ActivationMeter:
+    """Bytes of distinct storages saved for backward and alive, their peak and their total (parameters excluded)."""
+
+    def __init__(self, excluded: set[int]) -> None:
+        self.excluded = excluded
+        self.live: dict[int, list[int]] = {}  # storage -> [references, bytes]
+        self.current = self.peak = self.total = 0
+
+    def pack(self, tensor: torch.Tensor) -> _Saved:
+        """saved_tensors_hooks pack: count the tensor's storage once while any save of it lives."""
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if torch._C._current_autograd_node() is not None or key in self.excluded or not storage.nbytes():
+            return _Saved(tensor, self, None)
+        entry = self.live.setdefault(key, [0, storage.nbytes()])
+        if entry[0] == 0:
+            self.current += entry[1]
+            self.total += entry[1]
+            self.peak = max(self.peak, self.current)
+        entry[0] += 1
+        return _Saved(tensor, self, key)
+
+    @staticmethod
+    def unpack(saved: _Saved) -> torch.Tensor:
+        """saved_tensors_hooks unpack."""
+        return saved.tensor
+
+    def release(self, key: int) -> None:
+        """One save of storage ``key`` was dropped."""
+        entry = self.live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self.live[key]
+
+
+def compute_seconds(actions: list[tuple[str, float, float]], waits: list[tuple[float, float]]) -> float:
+    """Time inside the actions less the time they spent blocked receiving."""
+    total = sum(end - start for _, start, end in actions)
+    for start, end in waits:
+        if any(a_start <= start and end <= a_end for _, a_start, a_end in actions):
+            total -= end - start
+    return total
+
+
+def synced_step(run: Any) -> float:
+    """Barrier, ``run()``, barrier: the step's wall time in seconds."""
+    dist.barrier()
+    start = time.perf_counter()
+    run()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+# --- ours (ranks) -----------------------------------------------------------------------------------
+
+
+def run_ours(rank: int, settings: Settings, payload: PlanPayload) -> dict[str, Any]:
+    """Warm-up, timed steps (with the action trace) and one metered step of our plan on this rank."""
+    model = build_model(settings)
+    tokens, targets = example_batch(model, settings)
+    inputs = dict(zip(payload.input_names, lnn.flatten_inputs((tokens, targets), step="training_step")))
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    communicator = TimedCommunicator(settings.collective_timeout)
+    module = module_from_source(payload.sources[rank], f"bench_{payload.name}_rank{rank}")
+    executor = RankExecutor(module, rank, state, payload.constants, communicator, input_offsets=payload.offsets[rank])
+
+    def step() -> None:
+        executor.forward_backward(inputs)
+
+    for _ in range(settings.warmup):
+        synced_step(step)
+    executor.trace_actions = True
+    times, bubbles, outside, trace, waits = [], [], [], [], []
+    for _ in range(settings.steps):
+        communicator.waits.clear()
+        wall = synced_step(step)
+        trace, waits = list(executor.executed_actions), list(communicator.waits)
+        times.append(wall)
+        bubbles.append(1.0 - compute_seconds(trace, waits) / wall)
+        outside.append(wall - (trace[-1][2] - trace[0][1]) if trace else wall)
+    executor.trace_actions = False
+    excluded = {tensor.untyped_storage().data_ptr() for tensor in executor.held.values() if tensor.numel()}
+    meter = ActivationMeter(excluded)
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        synced_step(step)
+    return {"times": times, "bubbles": bubbles, "outside": outside, "peak": meter.peak, "total": meter.total, "trace": trace, "waits": waits}
+
+
+# --- torch.distributed.pipelining (ranks) -----------------------------------------------------------
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of the GPT: [embeddings] + sub-layers + [ln_f + lm_head].
+
+    Between stages flows the residual stream ``x``, and after a cut between a layer norm and its
+    attention or MLP also the normalized ``h`` (as in the plan).
+    """
+
+    def __init__(self, model: GPT, units: list[int], first: bool, last: bool) -> None:
+        super().__init__()
+        self.token_embedding = model.token_embedding if first else None
+        self.position_embedding = model.position_embedding if first else None
+        self.units = units
+        self.blocks = nn.ModuleDict({str(block): model.blocks[block] for block in sorted({unit // 4 for unit in units})})
+        self.ln_f = model.ln_f if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Tokens (first stage) or (x[, h]) -> (x[, h]), or logits (last stage)."""
+        if self.token_embedding is not None and self.position_embedding is not None:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.token_embedding(x) + self.position_embedding(positions)
+        for unit in self.units:
+            block, part = self.blocks[str(unit // 4)], SUBLAYERS[unit % 4]
+            if part in ("ln_1", "ln_2"):
+                h = getattr(block, part)(x)
+            elif part == "attn":
+                x, h = x + block.attn_dropout(block.attn(h, is_causal=True)), None
+            else:
+                x, h = x + block.mlp(h), None
+        if self.ln_f is not None and self.lm_head is not None:
+            return self.lm_head(self.ln_f(x))
+        return x if h is None else (x, h)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The GPT's loss on one microbatch."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def torch_schedule(rank: int, settings: Settings, payload: PlanPayload) -> tuple[Any, bool, bool]:
+    """torch's schedule for ``payload.name`` over hand-built stages: (schedule, holds first, holds last)."""
+    from torch.distributed import pipelining
+
+    model = build_model(settings)
+    chunks = len(payload.chunk_blocks)
+    stage_indices = list(range(rank, chunks, settings.stages))
+    stages = [
+        pipelining.PipelineStage(
+            StageModule(model, payload.chunk_blocks[index], index == 0, index == chunks - 1), index, chunks, torch.device("cpu")
+        )
+        for index in stage_indices
+    ]
+    m = settings.microbatches
+    if payload.name == "gpipe":
+        schedule = pipelining.ScheduleGPipe(stages[0], m, loss_fn=cross_entropy)
+    elif payload.name == "1f1b":
+        schedule = pipelining.Schedule1F1B(stages[0], m, loss_fn=cross_entropy)
+    elif payload.name == "interleaved":
+        schedule = pipelining.ScheduleInterleaved1F1B(stages, m, loss_fn=cross_entropy)
+    else:
+        schedule = pipelining.ScheduleInterleavedZeroBubble(stages, m, loss_fn=cross_entropy)
+    return schedule, 0 in stage_indices, chunks - 1 in stage_indices
+
+
+def run_torch(rank: int, settings: Settings, payload: PlanPayload) -> dict[str, Any]:
+    """Warm-up and timed steps of torch.distributed.pipelining's schedule on this rank."""
+    schedule, first, last = torch_schedule(rank, settings, payload)
+    tokens, targets = example_batch(build_model(settings), settings)
+    args = (tokens,) if first else ()
+    kwargs = {"target": targets, "losses": []} if last else {}
+
+    def step() -> None:
+        if last:
+            kwargs["losses"] = []
+        schedule.step(*args, return_outputs=False, **kwargs)
+
+    for _ in range(settings.warmup):
+        synced_step(step)
+    return {"times": [synced_step(step) for _ in range(settings.steps)]}
+
+
+def run_peer(rank: int, settings: Settings, payload: PlanPayload, broken: list[str]) -> dict[str, Any]:
+    """``run_torch``, or ``{"error": why}``; a peer failure that leaves the process group unusable is
+    recorded in ``broken`` and skips the peers after it."""
+    if broken:
+        return {"error": f"not run: the process group broke during {broken[0]}"}
+    try:
+        return run_torch(rank, settings, payload)
+    except Exception as error:  # noqa: BLE001 - reported in the table
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - the group is gone
+            broken.append(payload.name)
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+
+
+def rank_main(rank: int, world_size: int, settings: Settings, payloads: list[PlanPayload]) -> dict[str, Any]:
+    """Every schedule on this rank: ours first, then torch's; results by schedule name."""
+    torch.set_num_threads(1)  # the ranks share the cores: more intra-op threads only contend
+    results: dict[str, Any] = {name: {} for name in SCHEDULES}
+    for payload in payloads:
+        results[payload.name]["ours"] = run_ours(rank, settings, payload)
+    broken: list[str] = []
+    for payload in payloads:
+        results[payload.name]["torch"] = run_peer(rank, settings, payload, broken)
+    return results
+
+
+# --- report (parent) --------------------------------------------------------------------------------
+
+
+def theory_bubble(name: str, settings: Settings) -> float:
+    """Textbook bubble: (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1); ZB-H1 simulated with F = B = W."""
+    p, m = settings.stages, settings.microbatches
+    if name == "zb1":
+        return bubble_fraction(zb1(p, m))
+    return theoretical_bubble_fraction(p, m, SCHEDULES[name].get("virtual_stages", 1))
+
+
+def expected_in_flight(name: str, settings: Settings) -> list[float]:
+    """Per rank, the schedule's peak stashed microbatches in stage units (interleaved chunks count 1/v)."""
+    p, m = settings.stages, settings.microbatches
+    virtual = SCHEDULES[name].get("virtual_stages", 1)
+    generators = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb1": zb1}
+    schedule = interleaved(p, virtual, m) if name == "interleaved" else generators[name](p, m)
+    return [count / virtual for count in peak_in_flight(schedule)]
+
+
+def mean(values: list[float]) -> float:
+    """Arithmetic mean."""
+    return sum(values) / len(values)
+
+
+def step_ms(per_rank_times: list[list[float]]) -> float:
+    """Median over the timed steps of the slowest rank's step wall time, in ms (robust to a noisy step)."""
+    return 1e3 * statistics.median(max(steps) for steps in zip(*per_rank_times))
+
+
+def root_error(errors: list[str | None]) -> str | None:
+    """The error that caused the others: the first that is not a peer's timeout or closed connection."""
+    found = [error for error in errors if error]
+    causes = [error for error in found if not any(text in error for text in ("Timed out", "Connection closed", "not run:"))]
+    return (causes or found or [None])[0]
+
+
+def table(per_rank: list[dict[str, Any]], settings: Settings) -> str:
+    """The summary table, one row per schedule."""
+    header = ["schedule", "ours ms/step", "torch ms/step", "ratio", "measured bubble", "theory bubble",
+              *(f"act stage{rank}" for rank in range(settings.stages))]
+    rows = []
+    for name in SCHEDULES:
+        ours = [results[name]["ours"] for results in per_rank]
+        ours_ms = step_ms([result["times"] for result in ours])
+        error = root_error([results[name]["torch"].get("error") for results in per_rank])
+        torch_ms = None if error else step_ms([results[name]["torch"]["times"] for results in per_rank])
+        bubble = mean([value for result in ours for value in result["bubbles"]])
+        expected = expected_in_flight(name, settings)
+        memory = [f"{result['peak'] * settings.microbatches / result['total']:.2f} ({expected[rank]:g})" for rank, result in enumerate(ours)]
+        rows.append([
+            name, f"{ours_ms:.1f}", "n/a" if torch_ms is None else f"{torch_ms:.1f}",
+            "n/a" if torch_ms is None else f"{ours_ms / torch_ms:.2f}", f"{bubble:.3f}", f"{theory_bubble(name, settings):.3f}", *memory,
+        ])
+        if error:
+            rows[-1].append(f"torch: {error}")
+    widths = [max(len(str(row[column])) for row in [header, *rows] if column < len(row)) for column in range(len(header))]
+    lines = [" | ".join(text.ljust(width) for text, width in zip(header, widths))]
+    lines.append("-+-".join("-" * width for width in widths))
+    for row in rows:
+        lines.append(" | ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip() + (f"  {row[-1]}" if len(row) > len(header) else ""))
+    return "\n".join(lines)
+
+
+def timeline(per_rank: list[dict[str, Any]], name: str, columns: int = 100) -> str:
+    """Each rank's last timed step of ``name`` as a bar: digit k = F of microbatch k, letter a.. = B,
+    A.. = W, '.' = idle or waiting for a peer."""
+    starts = [result[name]["ours"]["trace"][0][1] for result in per_rank if result[name]["ours"]["trace"]]
+    ends = [result[name]["ours"]["trace"][-1][2] for result in per_rank if result[name]["ours"]["trace"]]
+    origin, span = min(starts), max(ends) - min(starts)
+    lines = [f"{name}: executed actions of the last timed step ({1e3 * span:.0f} ms, {span * 1e3 / columns:.1f} ms per column; "
+             "digit k: F of microbatch k, a..: B, A..: W, '.': idle or receiving)"]
+    for rank, results in enumerate(per_rank):
+        cells = ["."] * columns
+        for text, start, end in results[name]["ours"]["trace"]:
+            _, kind, microbatch = _parse(text)
+            mark = str(microbatch % 10) if kind == "F" else chr((ord("a") if kind == "B" else ord("A")) + microbatch % 26)
+            for column in range(_column(start, origin, span, columns), _column(end, origin, span, columns)):
+                cells[column] = mark
+        for start, end in results[name]["ours"]["waits"]:
+            for column in range(_column(start, origin, span, columns), _column(end, origin, span, columns)):
+                cells[column] = "."
+        lines.append(f"rank {rank} |{''.join(cells)}|")
+    return "\n".join(lines)
+
+
+def _parse(text: str) -> tuple[int, str, int]:
+    """'12B3' -> (12, 'B', 3)."""
+    index = next(position for position, char in enumerate(text) if char.isalpha())
+    return int(text[:index]), text[index], int(text[index + 1 :])
+
+
+def _column(moment: float, origin: float, span: float, columns: int) -> int:
+    return min(columns, max(0, round((moment - origin) / span * columns)))
+
+
+def main() -> None:
+    """Plan, run every schedule on 4 gloo ranks, print the table and the 1F1B timelines."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller GPT and fewer steps (a smoke test)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per schedule")
+    arguments = parser.parse_args()
+    settings = Settings(hidden=64, vocab=128, seq_len=32, steps=2, warmup=1) if arguments.quick else Settings()
+    if arguments.steps:
+        settings = dataclasses.replace(settings, steps=arguments.steps)
+    started = time.perf_counter()
+    print(f"GPT hidden {settings.hidden}, {settings.layers} layers, seq {settings.seq_len}, vocab {settings.vocab}, batch {settings.batch}; "
+          f"p = {settings.stages} gloo CPU ranks (1 thread each), m = {settings.microbatches}; "
+          f"{settings.warmup} warm-up + {settings.steps} timed steps; torch {torch.__version__}")
+    payloads = make_plans(settings)
+    print(f"planned {len(payloads)} schedules in {time.perf_counter() - started:.1f} s")
+    try:
+        per_rank = launch(rank_main, settings.stages, settings, payloads, timeout=settings.run_timeout, collective_timeout=settings.collective_timeout)
+    except LaunchError as error:
+        raise SystemExit(f"benchmark failed: {error}") from None
+    print(table(per_rank, settings))
+    print("ms/step: median over timed steps of the slowest rank; measured bubble: mean over ranks and timed steps")
+    print("act stageN: peak saved-for-backward bytes / one microbatch of that rank's stage(s) (schedule's expected in-flight count)")
+    print("of the step, outside the action list (prologue, loss sum, barriers; counted as bubble), ms: " + ", ".join(
+        f"{name} {1e3 * mean([value for results in per_rank for value in results[name]['ours']['outside']]):.1f}" for name in SCHEDULES
+    ))
+    print(timeline(per_rank, "1f1b"))
+    print(f"wall time {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

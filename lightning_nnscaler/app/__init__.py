@@ -1,0 +1,3 @@
+"""The training app behind ``python -m lightning_nnscaler.train`` and ``lightning-nnscaler train|plan``:
+typed configs (``config``), the job (``job``), the sweep's comparison table (``summary``) and the
+``plan`` command (``plan_command``)."""

@@ -1,0 +1,167 @@
+"""The training app's configs: every model x recipe composes with Hydra's compose API and builds its
+objects; every group option composes into a typed job config; bad overrides fail naming the key."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
+from hydra.utils import instantiate
+from omegaconf.errors import OmegaConfBaseException
+
+import lightning_nnscaler as lnn
+from lightning_nnscaler.app.config import CONF_DIR, ConfigError, check_fit, job_config
+from lightning_nnscaler.app.data import build_loaders
+from lightning_nnscaler.app.recipes import recipe_entry, register_catalog_recipes
+
+import lightning as L  # noqa: E402 - after lightning_nnscaler
+
+
+def options(group: str) -> list[str]:
+    return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
+
+
+def composed(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose("train", overrides=list(overrides))
+
+
+def data_for(model: str) -> str:
+    """Byte text feeds the GPT (vocab 256); the other reference models take their own example batches."""
+    return "stdlib_text" if model == "gpt" else "synthetic"
+
+
+@pytest.mark.parametrize("recipe", options("recipe"))
+@pytest.mark.parametrize("model", options("model"))
+def test_every_model_and_recipe_composes_and_builds_its_objects(model: str, recipe: str) -> None:
+    job = job_config(composed(f"model={model}", f"recipe={recipe}", f"data={data_for(model)}", "logger=none"))
+    module = instantiate(job.model)
+    assert isinstance(module, L.LightningModule)
+    strategy = lnn.NnScalerStrategy(recipe=job.recipe.name, **job.recipe.params)
+    assert (strategy.recipe, strategy.recipe_params) == (recipe, job.recipe.params)
+    world_size = job.devices_world_size
+    try:
+        layout = check_fit(job, module, world_size)
+    except ConfigError as error:  # the model's attention heads do not take this recipe's pieces on 2 ranks
+        assert f"recipe={recipe}" in str(error) and "heads" in str(error)
+        return
+    if model != "gpt":  # the GPT's loaders read the standard library (tested below, once)
+        loaders = build_loaders(job.data, module, job.batch_size, layout.data_parallel, job.seed)
+        assert loaders.steps_per_epoch >= 1
+    trainer = L.Trainer(strategy=strategy, logger=False, enable_checkpointing=False, enable_progress_bar=False, **job.trainer)
+    assert trainer.max_steps == job.trainer["max_steps"]
+
+
+@pytest.mark.parametrize("group", ["trainer", "logger", "data", "experiment"])
+def test_every_group_option_composes_into_a_job_config(group: str) -> None:
+    for option in options(group):
+        overrides = [f"{group}={option}"] + (["model=swin"] if group == "data" and option == "synthetic" else [])
+        job = job_config(composed(*overrides))
+        assert job.recipe.name in {spec.name for spec in lnn.list_recipes()}
+
+
+def test_the_default_job_is_gpt_on_stdlib_text_with_tp_on_two_cpu_ranks() -> None:
+    job = job_config(composed())
+    assert (job.recipe.name, job.data.kind, job.logger.kind, job.devices_world_size, job.trainer["accelerator"]) == ("tp", "stdlib_text", "wandb", 2, "cpu")
+    module = instantiate(job.model)
+    layout = check_fit(job, module, 2)
+    loaders = build_loaders(job.data, module, job.batch_size, layout.data_parallel, job.seed)
+    tokens, targets = next(iter(loaders.train))
+    assert tokens.shape == (job.batch_size, module.config.seq_len) and int(tokens.max()) < 256
+    assert (tokens[:, 1:] == targets[:, :-1]).all()
+
+
+def test_every_catalog_recipe_is_a_recipe_option() -> None:
+    """The catalog is the one source of truth: every conf/recipe file names a catalog recipe (its params
+    are checked by the model x recipe test), and a catalog recipe without a file gets a generated entry."""
+    catalog = {spec.name for spec in lnn.list_recipes() if spec.origin != "register_recipe"}
+    assert set(options("recipe")) <= catalog
+    generated = register_catalog_recipes(CONF_DIR)
+    assert set(generated) == catalog - set(options("recipe"))
+    for name in generated:
+        job = job_config(composed(f"recipe={name}", "logger=none"))
+        assert (job.recipe.name, set(job.recipe.params)) == (name, set(lnn.load_recipe(name).parameters))
+
+
+def test_a_catalog_recipe_without_a_conf_file_gets_a_generated_entry(tmp_path: Path) -> None:
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    (conf / "recipe" / "coshard.yaml").unlink()
+    store = ConfigStore.instance()
+    try:
+        assert "coshard" in register_catalog_recipes(conf)
+        assert store.load("recipe/coshard.yaml").node["params"] == recipe_entry(lnn.load_recipe("coshard"))["params"]
+        with initialize_config_dir(config_dir=str(conf), version_base=None):
+            job = job_config(compose("train", overrides=["recipe=coshard", "recipe.params.shards=1"]))
+    finally:  # the real conf/recipe/coshard.yaml must not be matched against a stored schema in later tests
+        store.repo["recipe"].pop("coshard.yaml", None)
+    assert (job.recipe.name, job.recipe.params["shards"]) == ("coshard", 1)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["recipe.params.shards=abc", "recipe=coshard"], "recipe.params.shards"),
+        (["recipe=dp", "+recipe.params.degree=2"], "recipe.params.degree"),
+        (["recipe.name=no_such_recipe"], "recipe.name"),
+        (["+trainer.no_such_argument=1"], "trainer.no_such_argument"),
+        (["batch_size=abc"], "batch_size"),
+        (["data.validation_batches=0"], "data.validation_batches"),
+        (["logger.kind=mlflow"], "logger.kind"),
+    ],
+)
+def test_a_bad_override_fails_naming_the_key(overrides: list[str], key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        job_config(composed(*overrides))
+
+
+def test_an_unknown_recipe_option_or_key_fails_in_composition_naming_it() -> None:
+    with pytest.raises(HydraException, match="recipe/no_such_recipe"):
+        composed("recipe=no_such_recipe")
+    with pytest.raises((HydraException, OmegaConfBaseException), match="no_such_key"):
+        composed("trainer.no_such_key=1")
+
+
+def test_indivisible_shards_fail_naming_the_parameter_and_the_heads() -> None:
+    job = job_config(composed("recipe=coshard", "recipe.params.shards=3"))
+    with pytest.raises(ConfigError, match=r"recipe\.params\.shards=3.*heads"):
+        check_fit(job, instantiate(job.model), job.devices_world_size)
+
+
+def test_data_the_model_cannot_take_fails_naming_data() -> None:
+    job = job_config(composed("model=swin", "data=stdlib_text"))
+    with pytest.raises(ConfigError, match="data=stdlib_text"):
+        build_loaders(job.data, instantiate(job.model), job.batch_size, 2, job.seed)
+
+
+def test_cli_hands_hydra_flags_of_train_and_plan_through_untouched() -> None:
+    from lightning_nnscaler.cli import split_hydra_command
+
+    assert split_hydra_command(["train", "-m", "recipe=dp,tp"]) == ([], ["train", "-m", "recipe=dp,tp"])
+    assert split_hydra_command(["--import", "my.recipes", "plan", "world_size=8"]) == (["--import", "my.recipes"], ["plan", "world_size=8"])
+    assert split_hydra_command(["recipes"]) is None
+
+
+@pytest.mark.parametrize(("recipe", "world_size"), [("tp", 2), ("1f1b", 4)])
+def test_plan_picture_timeline_is_ordered_and_colours_compute_communication_and_idle(recipe: str, world_size: int, tmp_path: Path) -> None:
+    from lightning_nnscaler.draw import draw_plan, pipeline_timeline, timeline
+    from lightning_nnscaler.models import GPT, GPTConfig
+
+    if recipe not in {spec.name for spec in lnn.list_recipes()}:
+        pytest.skip(f"recipe {recipe} is not in this catalog")
+    model = GPT(GPTConfig(vocab_size=64, seq_len=8, hidden=16, layers=2, heads=2))
+    plan = lnn.parallelize(model, model.example_batch(4), recipe, world_size=world_size, step="training_step")
+    spans = pipeline_timeline(plan) if getattr(plan, "pipeline", None) is not None else timeline(plan.program)
+    assert len(spans) == world_size
+    for rank_spans in spans:
+        assert {"compute", "communication"} <= {span.kind for span in rank_spans}
+        assert all(span.end >= span.start for span in rank_spans)
+        assert all(before.end <= after.start + 1e-12 for before, after in zip(rank_spans, rank_spans[1:]))
+    if recipe == "1f1b":
+        assert all("backward" in {span.kind for span in rank_spans} for rank_spans in spans)
+        assert any(span.kind == "idle" for rank_spans in spans for span in rank_spans)  # the pipeline bubble
+    assert draw_plan(plan, tmp_path / "plan.png").stat().st_size > 10_000
