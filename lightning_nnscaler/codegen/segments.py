@@ -46,18 +46,18 @@ def emit_segments(program: Program, rank_program: RankProgram, schedule: list[st
     held = {local.var for local in rank_program.inputs}
     prologue_vars = {var for action in segments[PROLOGUE].actions for var in writes(action)}
     lines = [f"SCHEDULE = {schedule!r}  # this rank's segments: F forward, B backward, W weight gradients (stage, kind, microbatch)"]
-    lines.append("BOUNDARY_IN = {  # segment: messages received before its forward, in order (tag, from rank, shape, dtype)")
+    lines.append("BOUNDARY_IN = {  # segment: messages received before its forward, in order (tag, from rank, shape, dtype, gradient goes back)")
     for segment, part in segments.items():
         received = [action for action in part.actions if isinstance(action, Recv) and action.boundary]
         if received:
-            entries = ", ".join(f"({action.tag}, {action.src}, {action.shape!r}, torch.{action.dtype})" for action in received)
+            entries = ", ".join(f"({action.tag}, {action.src}, {action.shape!r}, torch.{action.dtype}, {action.gradient})" for action in received)
             lines.append(f"    {segment!r}: [{entries}],")
     lines.append("}")
-    lines.append("BOUNDARY_OUT = {  # segment: messages sent after its forward, in order (tag, to rank)")
+    lines.append("BOUNDARY_OUT = {  # segment: messages sent after its forward, in order (tag, to rank, gradient comes back)")
     for segment, part in segments.items():
         sent = [action for action in part.actions if isinstance(action, Send) and action.boundary]
         if sent:
-            lines.append(f"    {segment!r}: [{', '.join(f'({action.tag}, {action.dst})' for action in sent)}],")
+            lines.append(f"    {segment!r}: [{', '.join(f'({action.tag}, {action.dst}, {action.gradient})' for action in sent)}],")
     lines.append("}\n\n")
     needed_from_prologue = sorted({
         var for segment, part in segments.items() if segment != PROLOGUE for action in part.actions for var in reads(action)

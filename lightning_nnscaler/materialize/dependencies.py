@@ -74,6 +74,8 @@ class _Builder:
         self.segment_of: dict[tuple[int, str], Segment] = {}  # (rank, variable) -> segment defining it
         self.prologue_received: dict[tuple[int, str, tuple, int], str] = {}
         self.pipelined = any(op.segment is not None for op in graph.ops)
+        with_gradients = {(op.device, op.segment) for op in graph.ops if not op.no_grad}
+        self.no_grad_segments = {(op.device, op.segment) for op in graph.ops} - with_gradients  # recycling passes
         if self.pipelined:
             loose = [op.name for op in graph.ops if op.segment is None]
             if loose:
@@ -310,12 +312,13 @@ class _Builder:
                 self.prologue_received[key] = self.transfer(src, source_var, region, dst, shape, piece, produced_at, PROLOGUE)
             return self.prologue_received[key]
         boundary = source_segment != segment
+        gradient = piece.tensor.dtype.startswith(("float", "bfloat", "complex")) and (src, source_segment) not in self.no_grad_segments
         tag = next(self.tags)
-        self.programs[src].actions.append(Send(produced_at + 0.1, source_var, region, dst, tag, source_segment, boundary))
+        self.programs[src].actions.append(Send(produced_at + 0.1, source_var, region, dst, tag, source_segment, boundary, gradient))
         var = self.var(dst, f"{piece.name}_from_{src}")
         # Received right after it is sent: between two ranks, receives then follow the order of the
         # sends, as NCCL (which ignores tags) requires; the wait is only for data already produced.
-        self.programs[dst].actions.append(Recv(produced_at + 0.1, var, shape, piece.tensor.dtype, src, tag, segment, boundary))
+        self.programs[dst].actions.append(Recv(produced_at + 0.1, var, shape, piece.tensor.dtype, src, tag, segment, boundary, gradient))
         self.segment_of[(dst, var)] = segment
         return var
 

@@ -50,6 +50,7 @@ class Send:
     tag: int
     segment: Segment = None
     boundary: bool = False  # between segments: the runtime sends it after the segment's forward
+    gradient: bool = True  # a boundary message whose gradient comes back (not from a no-grad segment, floating)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Recv:
     tag: int
     segment: Segment = None
     boundary: bool = False  # between segments: the runtime receives it before the segment's forward
+    gradient: bool = True  # a boundary message whose gradient goes back (not from a no-grad segment, floating)
 
 
 @dataclass(frozen=True)

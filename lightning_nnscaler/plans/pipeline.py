@@ -18,6 +18,7 @@ ranks. Ranks form the grid ``dp × pp × tp`` (tp fastest): stage ``s`` lives on
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,9 +33,9 @@ from lightning_nnscaler.plans.layout import DeviceGrid, RecipeLayout
 from lightning_nnscaler.plans.megatron_tp import megatron_choice, tensor_parallel
 from lightning_nnscaler.plans.propagate import replicate
 from lightning_nnscaler.primitives import op_assign, op_orders
-from lightning_nnscaler.schedules import Schedule, gpipe, interleaved, lower, one_f_one_b, validate, zb1
+from lightning_nnscaler.schedules import Schedule, gpipe, interleaved, lower, one_f_one_b, three_f_one_b, validate, zb1
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1", "3f1b")
 _MATMULS = {"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default", "aten.addmm.default"}
 _ATTENTION = {"aten.scaled_dot_product_attention.default", "aten._scaled_dot_product_flash_attention_for_cpu.default"}
 
@@ -62,6 +63,12 @@ def interleaved_plan(
 def zb1_plan(graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None) -> None:
     """Zero-bubble ZB-H1 (Qi et al. 2024): backward split into input gradients (B) and weight gradients (W)."""
     pipeline(graph, ctx, schedule="zb1", stages=stages, microbatches=microbatches)
+
+
+def three_f_one_b_plan(graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None) -> None:
+    """3F1B for models with recycling: each no-grad recycling pass is cut into ``stages`` forward-only
+    stages, placed like the gradient pass's, and their forwards fill the gradient pass's bubbles."""
+    pipeline(graph, ctx, schedule="3f1b", stages=stages, microbatches=microbatches)
 
 
 def hybrid3d(graph: Graph, ctx: PlanContext, *, dp: int = 1, tp: int = 1, pp: int = 2, microbatches: int | None = None) -> None:
@@ -102,7 +109,9 @@ def pipeline(
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if schedule != "interleaved" and virtual_stages != 1:
+    if schedule == "3f1b":
+        virtual_stages = count_recycles(graph)
+    elif schedule != "interleaved" and virtual_stages != 1:
         raise ValueError(f"pipeline: virtual_stages={virtual_stages} needs schedule='interleaved'")
     pp = stages or ctx.world_size // ((dp or 1) * tp)
     dp = dp or ctx.world_size // (pp * tp)
@@ -111,7 +120,7 @@ def pipeline(
     batch = _batch_rows(graph)
     if batch % dp:
         raise ValueError(f"pipeline: the batch ({batch} rows) must divide into {dp} data-parallel replicas")
-    microbatches = microbatches or default_microbatches(batch // dp, pp)
+    microbatches = microbatches or default_microbatches(batch // dp, pp, multiple_of=pp if virtual_stages > 1 else 1)
     if (batch // dp) % microbatches:
         raise ValueError(
             f"pipeline: microbatches ({microbatches}) must divide each replica's batch ({batch // dp} rows); "
@@ -119,7 +128,7 @@ def pipeline(
         )
     order = _schedule(schedule, pp, microbatches, virtual_stages)
     validate(lower(order))
-    cut = cut_stages(graph, pp * virtual_stages)
+    cut = cut_stages(graph, pp * virtual_stages, forward_only=order.forward_only)
     grid = DeviceGrid.of(dp=dp, pp=pp, tp=tp)
     choose = megatron_choice(graph) if tp > 1 else None
     origins = [op.name for op in graph.ops]
@@ -131,7 +140,9 @@ def pipeline(
             column = order.stage_ranks[stage if stage != PROLOGUE_STAGE else cut.first_reader_stage(name)]
             ranks = [_rank(grid, replica, column, position) for position in range(tp)]
             segment = PROLOGUE if stage == PROLOGUE_STAGE else (stage, microbatch)
-            op_assign(graph, piece, ranks[0], segment=segment)  # with tp > 1, split over the stage's ranks below
+            placed = op_assign(graph, piece, ranks[0], segment=segment)  # with tp > 1, split over the stage's ranks below
+            if 0 <= stage < order.forward_only and not placed.no_grad:  # a recycling stage: no gradient flows through it
+                graph.replace_op(placed, [dataclasses.replace(placed, no_grad=True)])
     if tp > 1:
         _split_stages(graph, tp, grid, order, choose)
     ctx.pipeline = PipelinePlan(order, tuple(grid.coordinate(rank, "pp") for rank in range(ctx.world_size)))
@@ -152,9 +163,31 @@ def order_forwards(graph: Graph, plan: PipelinePlan) -> None:
     op_orders(graph, edges)
 
 
-def default_microbatches(rows: int, stages: int) -> int:
-    """The smallest divisor of ``rows`` that is at least ``stages`` (``rows`` when none is)."""
-    return next((count for count in range(stages, rows + 1) if rows % count == 0), rows)
+def default_microbatches(rows: int, stages: int, multiple_of: int = 1) -> int:
+    """The smallest divisor of ``rows`` that is at least ``stages`` and a multiple of ``multiple_of``
+    (``rows`` when none is)."""
+    return next((count for count in range(stages, rows + 1) if rows % count == 0 and count % multiple_of == 0), rows)
+
+
+def count_recycles(graph: Graph) -> int:
+    """How many passes a recycling model runs: 1 + the no-grad reads of its parameters per gradient-pass read.
+
+    Raises:
+        ValueError: when no op on the batch's path runs under ``torch.no_grad()`` (nothing recycles).
+    """
+    reads: dict[str, list[int]] = {}
+    for op in graph.ops:
+        for piece in op.tensor_inputs:
+            if graph.tensors[piece.name].role == "parameter":
+                counts = reads.setdefault(piece.name, [0, 0])
+                counts[op.no_grad] += 1
+    ratios = [no_grad / grad for grad, no_grad in reads.values() if grad and no_grad]
+    if not ratios:
+        raise ValueError(
+            "3f1b: the model has no recycling passes (no op reading a parameter runs under torch.no_grad()); "
+            "use 1f1b, or recycle as AlphaFold2 does: r - 1 passes under torch.no_grad(), then one with gradients"
+        )
+    return 1 + round(sum(ratios) / len(ratios))
 
 
 def _schedule(name: str, stages: int, microbatches: int, virtual_stages: int) -> Schedule:
@@ -164,6 +197,8 @@ def _schedule(name: str, stages: int, microbatches: int, virtual_stages: int) ->
         return one_f_one_b(stages, microbatches)
     if name == "zb1":
         return zb1(stages, microbatches)
+    if name == "3f1b":
+        return three_f_one_b(stages, microbatches, virtual_stages)
     return interleaved(stages, virtual_stages, microbatches)
 
 
@@ -195,11 +230,15 @@ class StageCut:
         return min(stages, default=0)
 
 
-def cut_stages(graph: Graph, stages: int) -> StageCut:
+def cut_stages(graph: Graph, stages: int, forward_only: int = 0) -> StageCut:
     """Each op of ``graph`` (not yet split) -> its stage (``PROLOGUE_STAGE`` for the prologue).
 
+    With ``forward_only`` > 0 (3F1B), the ops running under ``no_grad`` (the recycling passes, which
+    must all come before the gradient pass) fill the first ``forward_only`` stages, the others the rest.
+
     Raises:
-        ValueError: when the graph has fewer ops that read activations than ``stages``.
+        ValueError: when the graph has fewer ops that read activations than ``stages``, or no-grad ops
+            after gradient ones with ``forward_only``.
     """
     ops = list(graph.ops)
     producer = {output.name: op for op in ops for output in op.outputs}
@@ -212,10 +251,20 @@ def cut_stages(graph: Graph, stages: int) -> StageCut:
     flowing = [op for op in ops if kind[op.name] == "batch"]
     if len(flowing) < stages:
         raise ValueError(f"pipeline: {stages} stages need at least {stages} ops on the batch's path; the model has {len(flowing)}")
-    cuts = _balanced_cuts(flowing, stages)
     stage_of: dict[str, int] = {}
-    for index, op in enumerate(flowing):
-        stage_of[op.name] = sum(index >= cut for cut in cuts)
+    if forward_only:
+        flows = _gradient_flows(graph, ops, producer)
+        first = next((index for index, op in enumerate(flowing) if flows[op.name]), len(flowing))
+        recycling, gradient = flowing[:first], flowing[first:]  # the recycling passes and what hands their state on
+        if len(recycling) < forward_only or len(gradient) < stages - forward_only:
+            raise ValueError(f"3f1b: {len(recycling)} recycling and {len(gradient)} gradient-pass ops cannot fill {forward_only} and {stages - forward_only} stages")
+        parts = [(recycling, forward_only, 0), (gradient, stages - forward_only, forward_only)]
+    else:
+        parts = [(flowing, stages, 0)]
+    for part, count, first in parts:
+        cuts = _balanced_cuts(part, count)
+        for index, op in enumerate(part):
+            stage_of[op.name] = first + sum(index >= cut for cut in cuts)
     for op in reversed(ops):  # weights-only ops join their first reader's stage
         if kind[op.name] == "weights":
             stage_of[op.name] = min((stage_of[reader] for reader in readers.get(op.name, []) if stage_of.get(reader, -1) >= 0), default=0)
@@ -243,6 +292,19 @@ def _kinds(graph: Graph, ops: list[Op], producer: dict[str, Op]) -> dict[str, st
         needs_grad[op.name], reads_batch[op.name] = grad, batch
         kind[op.name] = "prologue" if not grad else "batch" if batch else "weights"
     return kind
+
+
+def _gradient_flows(graph: Graph, ops: list[Op], producer: dict[str, Op]) -> dict[str, bool]:
+    """Per op: whether a gradient flows through it (not under ``no_grad``, reading a trained
+    parameter or an output a gradient flows through)."""
+    flows: dict[str, bool] = {}
+    for op in ops:
+        flows[op.name] = not op.no_grad and any(
+            flows[producer[piece.name].name] if piece.name in producer
+            else graph.tensors[piece.name].role == "parameter" and graph.tensors[piece.name].requires_grad
+            for piece in op.tensor_inputs
+        )
+    return flows
 
 
 def op_cost(op: Op) -> float:

@@ -82,6 +82,17 @@ class InMemoryWorld:
             self._sent[(src, dst)] += 1
             self._condition.notify_all()
 
+    def check_all_received(self) -> None:
+        """Raise ``CommunicationError`` naming a message that was sent but never received: on real
+        processes its send would never complete (a hang at ``wait_sends``)."""
+        left = sorted(key for key, messages in self._mailboxes.items() if messages)
+        if left:
+            src, dst, tag = left[0]
+            raise CommunicationError(
+                f"rank {src} sent rank {dst} a message with tag {tag} that rank {dst} never received "
+                f"({len(left)} such message kinds): on real processes rank {src} would wait for it forever"
+            )
+
     def take(self, src: int, dst: int, tag: int) -> torch.Tensor:
         key, description = (src, dst, tag), f"rank {dst}: recv from rank {src} with tag {tag}"
         with self._condition:
@@ -307,4 +318,5 @@ def run_ranks(world_size: int, fn: Callable[[InMemoryCommunicator], Result], tim
         if sys.version_info >= (3, 11):
             error.add_note(f"raised on rank {rank} of {world_size} (in-memory world)")
         raise error
+    world.check_all_received()
     return results

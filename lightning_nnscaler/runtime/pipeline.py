@@ -5,13 +5,17 @@ messages of each. This runner:
 
 - runs ``prologue`` once (no gradients), then each action of ``SCHEDULE`` in order;
 - ``F(s, m)``: receives the segment's boundary inputs (from itself when the producing segment is
-  on this rank), makes each floating one a leaf that requires grad — so the segment's backward
-  stops at its own inputs —, runs the segment function with a fresh token and sends (asynchronously)
-  the boundary tensors it returns; what backward needs stays stashed under ``(s, m)``;
-- ``B(s, m)``: receives the gradients of the segment's sent floating tensors, runs autograd backward
-  through that segment only (its loss pieces seeded with the loss scale, its token chain included,
-  so inline tensor-parallel communication replays in reverse), and sends each floating boundary
-  input's gradient back to its producer (zeros when it got none: both ends decide by dtype alone);
+  on this rank), makes each one whose gradient goes back a leaf that requires grad — so the
+  segment's backward stops at its own inputs —, runs the segment function with a fresh token and
+  sends (asynchronously) the boundary tensors it returns; what backward needs stays stashed under
+  ``(s, m)``. A segment the schedule never runs backward (3F1B's recycling passes) runs under
+  ``no_grad`` and stashes nothing;
+- ``B(s, m)``: receives the gradients of the segment's sent tensors that carry one, runs autograd
+  backward through that segment only (its loss pieces seeded with the loss scale, its token chain
+  included, so inline tensor-parallel communication replays in reverse), and sends each boundary
+  input's gradient back to its producer (zeros when it got none). Whether a message's gradient
+  travels back is fixed in the generated tables (floating, and not from a no-grad segment), so both
+  ends agree;
 - with ``W`` actions (zero-bubble), ``B`` computes the input gradients only (keeping the graph) and
   ``W(s, m)`` then accumulates the weight gradients.
 
@@ -68,6 +72,7 @@ class PipelineRun:
     local_gradients: dict[int, torch.Tensor] = field(default_factory=dict)
     shared: dict[str, torch.Tensor] = field(default_factory=dict)
     seeds: list[torch.Tensor] = field(default_factory=list)
+    with_backward: set[tuple[int, int]] = field(default_factory=set)
     executed: list[tuple[str, float, float]] = field(default_factory=list)
     """``(action, start, end)`` in ``time.perf_counter`` seconds, for each action run (when ``trace``)."""
 
@@ -91,6 +96,7 @@ class PipelineRun:
         with torch.no_grad():
             self.shared, _ = self.module.prologue(self.held, self.communicator, torch.zeros((), device=self.device))
         actions = self.actions(backward)
+        self.with_backward = {(stage, microbatch) for kind, stage, microbatch in actions if kind != "F"}
         accumulating = "W" if any(kind == "W" for kind, _, _ in actions) else "B"
         last = max((index for index, (kind, _, _) in enumerate(actions) if kind == accumulating), default=None)
         for index, (kind, stage, microbatch) in enumerate(actions):
@@ -110,10 +116,11 @@ class PipelineRun:
     def forward(self, stage: int, microbatch: int, backward: bool) -> None:
         """F: receive the boundary inputs, run the segment, send its boundary outputs, stash for B."""
         segment = (stage, microbatch)
+        backward = backward and segment in self.with_backward
         received = {}
-        for tag, src, shape, dtype in self.module.BOUNDARY_IN.get(segment, []):
+        for tag, src, shape, dtype, gradient in self.module.BOUNDARY_IN.get(segment, []):
             tensor = self.local_activations.pop(tag) if src == self.rank else self.communicator.recv(shape, dtype, src, tag)
-            if backward and tensor.is_floating_point():
+            if backward and gradient:
                 tensor = tensor.detach().requires_grad_()
             received[tag] = tensor
         function = self.module.SEGMENTS.get(segment)
@@ -122,7 +129,7 @@ class PipelineRun:
         token = torch.zeros((), device=self.device, requires_grad=backward)
         with torch.set_grad_enabled(backward):
             sent, outputs, token = function(self.held, self.shared, received, self.communicator, token)
-        for tag, dst in self.module.BOUNDARY_OUT.get(segment, []):
+        for tag, dst, _ in self.module.BOUNDARY_OUT.get(segment, []):
             if dst == self.rank:
                 self.local_activations[tag] = sent[tag]
             else:
@@ -139,9 +146,9 @@ class PipelineRun:
             return  # no ops on this rank
         entry = self.stash[segment] if input_gradients_only else self.stash.pop(segment)
         roots, gradients = [], []
-        for tag, dst in self.module.BOUNDARY_OUT.get(segment, []):
+        for tag, dst, gradient in self.module.BOUNDARY_OUT.get(segment, []):
             value = entry.sent[tag]
-            if not value.is_floating_point():
+            if not gradient:
                 continue
             if dst == self.rank:
                 gradient = self.local_gradients.pop(tag)
@@ -165,9 +172,9 @@ class PipelineRun:
         else:
             root.backward()
             input_gradients = {id(leaf): leaf.grad for leaf in leaves}
-        for tag, src, shape, dtype in self.module.BOUNDARY_IN.get(segment, []):
+        for tag, src, shape, dtype, gradient in self.module.BOUNDARY_IN.get(segment, []):
             tensor = entry.received[tag]
-            if not tensor.is_floating_point():
+            if not gradient:
                 continue
             gradient = input_gradients.get(id(tensor))
             gradient = torch.zeros(shape, dtype=dtype, device=self.device) if gradient is None else gradient

@@ -11,6 +11,7 @@ from lightning_nnscaler.schedules.interleaved import interleaved
 from lightning_nnscaler.schedules.lower import lower
 from lightning_nnscaler.schedules.metrics import Durations, bubble_fraction, peak_in_flight, theoretical_bubble_fraction
 from lightning_nnscaler.schedules.one_f_one_b import one_f_one_b
+from lightning_nnscaler.schedules.recycling import three_f_one_b
 from lightning_nnscaler.schedules.render import grid
 from lightning_nnscaler.schedules.validate import ScheduleError, execute, validate
 from lightning_nnscaler.schedules.zero_bubble import zb1
@@ -31,6 +32,7 @@ __all__ = [
     "one_f_one_b",
     "peak_in_flight",
     "theoretical_bubble_fraction",
+    "three_f_one_b",
     "validate",
     "zb1",
 ]

@@ -115,18 +115,23 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
     stage_ranks: tuple[int, ...]
     microbatches: int
+    forward_only: int = 0
+    """How many leading stages run forward only (3F1B's recycling passes: no B or W, nothing stashed)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", tuple(tuple(rank_actions) for rank_actions in self.actions))
         object.__setattr__(self, "stage_ranks", tuple(self.stage_ranks))
+        if not 0 <= self.forward_only < max(len(self.stage_ranks), 1):
+            raise ValueError(f"forward_only ({self.forward_only}) must leave at least one of the {len(self.stage_ranks)} stages with a backward")
         bad = [rank for rank in self.stage_ranks if not 0 <= rank < len(self.actions)]
         if bad:
             raise ValueError(f"stage_ranks {self.stage_ranks} names ranks {bad} outside the {len(self.actions)} ranks of the schedule")
 
     @classmethod
-    def from_text(cls, actions: Sequence[Sequence[str]], stage_ranks: Sequence[int], microbatches: int) -> Schedule:
+    def from_text(cls, actions: Sequence[Sequence[str]], stage_ranks: Sequence[int], microbatches: int, forward_only: int = 0) -> Schedule:
         """Build a schedule from per-rank lists of action texts, e.g. ``[["0F0", "0B0"], ["1F0", "1B0"]]``."""
-        return cls(tuple(tuple(Action.parse(text) for text in rank_actions) for rank_actions in actions), tuple(stage_ranks), microbatches)
+        parsed = tuple(tuple(Action.parse(text) for text in rank_actions) for rank_actions in actions)
+        return cls(parsed, tuple(stage_ranks), microbatches, forward_only)
 
     def as_text(self) -> list[list[str]]:
         """Per-rank lists of action texts (the inverse of ``from_text``)."""
@@ -146,6 +151,10 @@ class Schedule:
     def splits_backward(self) -> bool:
         """True when backward is split into B (input gradients) and W (weight gradients)."""
         return any(action.kind is W for rank_actions in self.actions for action in rank_actions)
+
+    def has_backward(self, stage: int) -> bool:
+        """Whether ``stage`` runs B (and W) actions: every stage but the leading ``forward_only`` ones."""
+        return stage >= self.forward_only
 
     def stages_of_rank(self, rank: int) -> list[int]:
         """The stages ``rank`` holds, in increasing order."""

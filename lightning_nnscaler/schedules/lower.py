@@ -30,7 +30,7 @@ def lower(schedule: Schedule) -> Schedule:
             before, after = communication_around(schedule, action)
             rank_lowered += [*before, action, *after]
         lowered.append(rank_lowered)
-    return Schedule(lowered, schedule.stage_ranks, schedule.microbatches)
+    return Schedule(lowered, schedule.stage_ranks, schedule.microbatches, schedule.forward_only)
 
 
 def communication_around(schedule: Schedule, action: Action) -> tuple[list[Action], list[Action]]:
@@ -48,6 +48,6 @@ def communication_around(schedule: Schedule, action: Action) -> tuple[list[Actio
     elif action.kind is Kind.BACKWARD:
         if next_rank != rank:
             before.append(Action(action.stage, action.microbatch, Kind.RECV_B, next_rank))
-        if previous_rank != rank:
+        if previous_rank != rank and schedule.has_backward(action.stage - 1):  # a forward-only stage takes no gradient
             after.append(Action(action.stage, action.microbatch, Kind.SEND_B, previous_rank))
     return before, after

@@ -72,7 +72,8 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
     for rank_actions in schedule.actions:
         stashed = peak = 0
         for action in rank_actions:
-            stashed += 1 if action.kind is Kind.FORWARD else -1 if action.kind is release else 0
+            keeps = action.kind is Kind.FORWARD and schedule.has_backward(action.stage)  # a recycling forward stashes nothing
+            stashed += 1 if keeps else -1 if action.kind is release else 0
             peak = max(peak, stashed)
         peaks.append(peak)
     return peaks

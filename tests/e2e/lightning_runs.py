@@ -13,6 +13,7 @@ module with a conv stem and an MLP head and no attention, trained with SGD + mom
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -29,6 +30,7 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
+from lightning_nnscaler.models.evoformer import Evoformer, EvoformerConfig  # noqa: E402
 from lightning_nnscaler.models.gpt import GPT, GPTConfig  # noqa: E402
 
 GLOBAL_BATCH = 4
@@ -36,6 +38,7 @@ STEPS = 5
 LEARNING_RATE = 1e-3
 CONV_LEARNING_RATE = 0.1
 SIGNAL_CHANNELS, SIGNAL_LENGTH, CLASSES = 3, 16, 10  # ConvClassifier's input (B, 3, 16), 10 classes
+EVOFORMER = dataclasses.replace(EvoformerConfig.small(), recycles=3)  # two no-grad recycling passes, then the gradient pass
 
 
 class TokenDataset(Dataset):
@@ -79,6 +82,29 @@ class ScheduledGPT(SyncLoggedSteps, GPT):
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=LEARNING_RATE
         )
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+
+class RecyclingDataset(Dataset):
+    """``size`` Evoformer samples (MSA features, distogram bins) of ``EVOFORMER`` shape, fixed by ``seed``."""
+
+    def __init__(self, size: int, seed: int = 0) -> None:
+        torch.manual_seed(0)
+        self.features, self.bins = Evoformer(EVOFORMER).example_batch(size, torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.features)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.features[index], self.bins[index]
+
+
+class ScheduledEvoformer(SyncLoggedSteps, Evoformer):
+    """The Evoformer reference with recycling (3 passes: two under no_grad), AdamW and a warm-up LR schedule."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=LEARNING_RATE)
         warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
@@ -180,7 +206,13 @@ def build_conv_model() -> ConvClassifier:
     return ConvClassifier()
 
 
-MODELS = {"gpt": (build_model, TokenDataset), "conv": (build_conv_model, SignalDataset)}
+def build_recycling_model() -> ScheduledEvoformer:
+    """The same initial weights in every process."""
+    torch.manual_seed(0)
+    return ScheduledEvoformer(EVOFORMER)
+
+
+MODELS = {"gpt": (build_model, TokenDataset), "conv": (build_conv_model, SignalDataset), "evoformer": (build_recycling_model, RecyclingDataset)}
 """Model name -> (model builder, dataset class ``(size, seed)``)."""
 
 

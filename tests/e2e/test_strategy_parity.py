@@ -42,6 +42,7 @@ def parity_runs() -> list[tuple[str, Any, dict[str, Any]]]:
         runs += [(f"{model} {recipe}", strategy, options) for recipe, strategy in RECIPES.items()]
         runs.append((f"{model} ddp unclipped", "ddp", {**options, "clip": None}))
     runs += [(label, f"nnscaler_{recipe}", {"model": "gpt", **ACCEPTANCE, "precision": "bf16-mixed"}) for recipe, label in BF16.items()]
+    runs += [("evoformer ddp", "ddp", {"model": "evoformer", **ACCEPTANCE}), ("evoformer 3f1b", "nnscaler_3f1b", {"model": "evoformer", **ACCEPTANCE})]
     return runs
 
 
@@ -142,3 +143,17 @@ def test_bf16_mixed_stays_within_bf16_tolerance_of_32_true(results: list[dict], 
     for rank, by_label in enumerate(results):
         # bf16 keeps 8 significant bits: a relative error of 2**-8 per rounding, far less on a mean loss.
         torch.testing.assert_close(torch.tensor(by_label[BF16[recipe]]["losses"]), torch.tensor(expected), rtol=1e-2, atol=0.0, msg=lambda m, r=rank: f"rank {r}: {m}")
+
+
+@pytest.mark.timeout(400)
+def test_3f1b_trains_a_recycling_model_like_ddp(results: list[dict]) -> None:
+    """The Evoformer reference with 3 passes (two recycling under no_grad): 3F1B pipelines all three."""
+    expected = results[0]["evoformer ddp"]
+    for rank, by_label in enumerate(results):
+        actual = by_label["evoformer 3f1b"]
+        assert len(actual["losses"]) == len(expected["losses"]) == BATCHES
+        torch.testing.assert_close(torch.tensor(actual["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=1e-6, msg=lambda m, r=rank: f"rank {r} losses: {m}")
+        assert actual["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-5)
+        assert actual["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
+        for key, value in expected["state"].items():
+            torch.testing.assert_close(actual["state"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key, r=rank: f"rank {r} {k}: {m}")

@@ -25,6 +25,12 @@ def build_model(name: str) -> tuple[torch.nn.Module, int]:
         return GPT(GPTConfig.small()), 4
     if name == "swin":
         return Swin(SwinConfig.small()), 4
+    if name == "evoformer":  # with recycling: two passes under no_grad, then the gradient pass
+        from dataclasses import replace
+
+        from lightning_nnscaler.models.evoformer import Evoformer, EvoformerConfig
+
+        return Evoformer(replace(EvoformerConfig.small(), recycles=3)), 4
     raise ValueError(f"unknown model {name!r}")
 
 

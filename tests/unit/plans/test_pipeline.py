@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 import torch
 
 import lightning_nnscaler as lnn
+from lightning_nnscaler.models.evoformer import Evoformer, EvoformerConfig
 from lightning_nnscaler.models.gpt import GPT, GPTConfig
 from lightning_nnscaler.models.mbart import MBart, MBartConfig
 from lightning_nnscaler.models.swin import Swin, SwinConfig
 from lightning_nnscaler.parallelize import build_plan
 from lightning_nnscaler.plans.context import PipelinePlan, PlanContext
 from lightning_nnscaler.plans.pipeline import cut_stages, pipeline
-from lightning_nnscaler.schedules import Schedule, ScheduleError, one_f_one_b
+from lightning_nnscaler.schedules import Schedule, ScheduleError, one_f_one_b, peak_in_flight
 
 
 def gpt_and_batch(batch_size: int = 8) -> tuple[GPT, object]:
@@ -129,3 +131,30 @@ def test_bad_pipeline_parameters_are_refused_naming_the_setting(recipe: str, par
     model, batch = gpt_and_batch()
     with pytest.raises(ValueError, match=message):
         lnn.parallelize(model, batch, recipe, 4, step="training_step", **params)
+
+
+def recycling_model() -> Evoformer:
+    torch.manual_seed(0)
+    return Evoformer(dataclasses.replace(EvoformerConfig.small(), recycles=3))
+
+
+def test_3f1b_pipelines_the_recycling_passes_and_verifies_at_8_virtual_ranks() -> None:
+    model = recycling_model()
+    plan = lnn.parallelize(model, model.example_batch(8, torch.Generator().manual_seed(0)), "3f1b", 8, step="training_step")
+    schedule = plan.pipeline.schedule
+    assert (schedule.stages, schedule.forward_only, schedule.microbatches) == (24, 16, 8)  # r = 3 read from the graph
+    for rank_actions in schedule.actions:
+        kinds = [action.kind.value for action in rank_actions]
+        assert kinds.count("F") == 3 * kinds.count("B") == 3 * 8  # three forwards per backward
+        assert all(action.stage >= 16 for action in rank_actions if action.kind.value == "B")
+    assert max(peak_in_flight(schedule)) <= 8 + 8  # recycling forwards stash nothing
+    recycling = plan.sources[0].split("def stage8_microbatch0")[1].split("\ndef ")[0]
+    assert "with torch.no_grad()" in recycling
+    assert "BOUNDARY_OUT" in plan.sources[7] and ", False)" in plan.sources[7].split("BOUNDARY_OUT")[1].split("}")[0]
+    plan.verify()
+
+
+def test_3f1b_refuses_a_model_that_does_not_recycle() -> None:
+    model, batch = gpt_and_batch()
+    with pytest.raises(ValueError, match=r"3f1b: the model has no recycling passes .*use 1f1b"):
+        lnn.parallelize(model, batch, "3f1b", 2, step="training_step")
