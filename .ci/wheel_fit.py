@@ -52,15 +52,21 @@ class LossRecorder(Callback):
 
 
 RECIPE_PARAMS = {"hybrid": {"dp": 1, "tp": 2}, "coshard": {"shards": 1}}  # fit 2 ranks and GPTConfig.small()'s 4 heads
+RECYCLING_RECIPES = {"3f1b"}  # plan a model with recycling passes (the Evoformer reference, r = 3)
 
 
 def verify_every_recipe() -> None:
-    """Plan and verify the reference GPT with every catalog recipe at 2 virtual ranks (one process)."""
+    """Plan and verify the reference GPT (the Evoformer with recycling for 3f1b) with every catalog recipe
+    at 2 virtual ranks (one process)."""
+    from dataclasses import replace
+
+    from lightning_nnscaler.models.evoformer import Evoformer, EvoformerConfig
     from lightning_nnscaler.models.gpt import GPT, GPTConfig
 
-    model = GPT(GPTConfig.small())
-    batch = model.example_batch(4, torch.Generator().manual_seed(0))
+    gpt, recycling = GPT(GPTConfig.small()), Evoformer(replace(EvoformerConfig.small(), recycles=3))
     for spec in lnn.list_recipes():
+        model = recycling if spec.name in RECYCLING_RECIPES else gpt
+        batch = model.example_batch(4, torch.Generator().manual_seed(0))
         plan = lnn.parallelize(model, batch, spec.name, 2, step="training_step", **RECIPE_PARAMS.get(spec.name, {}))
         report = plan.verify()
         print(f"wheel fit: recipe {spec.name} verified at 2 ranks (loss {report.loss:.4f})", flush=True)

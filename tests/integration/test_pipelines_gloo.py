@@ -1,5 +1,6 @@
 """Pipeline schedules train on real gloo processes exactly like a single device (AdamW, 10 steps): every
-schedule on GPT, and 3F1B on the Evoformer reference with recycling (r = 3)."""
+schedule on GPT, 1F1B on the Swin and mBART-style references, and 3F1B on the Evoformer reference
+with recycling (r = 3)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,20 @@ def test_pipelines_match_single_device_training(world_size: int) -> None:
         assert merged.keys() == expected_parameters.keys(), label
         for key, value in expected_parameters.items():
             torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-5, msg=lambda m, r=label, k=key: f"{r} parameter {k}: {m}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model_name", ["swin", "mbart"])
+def test_1f1b_matches_single_device_training_of_the_vision_and_encoder_decoder_references(model_name: str) -> None:
+    expected_losses, expected_parameters = single_device_run(model_name)
+    per_rank = launch(train_planned, 4, model_name, plan_recipes(model_name, 4, [("1f1b", "1f1b", {})]), timeout=500)
+    for rank, results in enumerate(per_rank):
+        torch.testing.assert_close(torch.tensor(results["1f1b"]["losses"]), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6, msg=lambda m, k=rank: f"rank {k} losses: {m}")
+    shards = [{str(i): Shard(location, tensor) for i, (location, tensor) in enumerate(results["1f1b"]["shards"])} for results in per_rank]
+    merged = merge_shards(shards, {key: tuple(value.shape) for key, value in expected_parameters.items()})
+    assert merged.keys() == expected_parameters.keys()
+    for key, value in expected_parameters.items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{model_name} parameter {k}: {m}")
 
 
 @pytest.mark.timeout(600)

@@ -25,6 +25,10 @@ def build_model(name: str) -> tuple[torch.nn.Module, int]:
         return GPT(GPTConfig.small()), 4
     if name == "swin":
         return Swin(SwinConfig.small()), 4
+    if name == "mbart":
+        from lightning_nnscaler.models.mbart import MBart, MBartConfig
+
+        return MBart(MBartConfig.small()), 4
     if name == "evoformer":  # with recycling: two passes under no_grad, then the gradient pass
         from dataclasses import replace
 
