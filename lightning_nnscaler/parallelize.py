@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -218,7 +220,7 @@ def _human(count: int) -> str:
 
 def parallelize(
     module: nn.Module, example_args: Any, recipe: str = "dp", world_size: int = 1, *, step: str | None = None,
-    communication_cost: Any = None, allow_partial: bool = False, **params: Any,
+    communication_cost: Any = None, allow_partial: bool = False, progress: Callable[[str], None] | None = None, **params: Any,
 ) -> Plan:
     """Trace ``module``, apply the catalog recipe ``recipe`` for ``world_size`` ranks, materialize
     and generate per-rank code.
@@ -238,26 +240,49 @@ def parallelize(
         allow_partial: Best effort: accept a plan that leaves whole (replicated) ops the recipe
             means to split, with a ``PartialPlanWarning`` saying how much of the model was split,
             instead of a ``RecipeError``. Idle ranks are refused all the same.
+        progress: Called with a line as each stage (tracing, the recipe, materializing, code
+            generation) starts and ends, with its time: how a large model's planning shows progress.
         **params: The recipe's parameters (checked against the catalog before anything runs).
     """
     from lightning_nnscaler.plans.catalog import apply_recipe
     from lightning_nnscaler.plans.coverage import check_coverage
     from lightning_nnscaler.plans.propagate import recording_refusals
 
-    if step == "training_step":  # the step's Python values that tracing would freeze: refused, or checked every step
-        graph, step_values = trace_training_step(module, example_args)
-    else:
-        graph, step_values = trace(module, example_args, step=step), StepValues()
+    stage = _Stages(progress)
+    with stage(f"tracing {type(module).__name__}.{step or 'forward'}"):
+        if step == "training_step":  # the step's Python values that tracing would freeze: refused, or checked every step
+            graph, step_values = trace_training_step(module, example_args)
+        else:
+            graph, step_values = trace(module, example_args, step=step), StepValues()
     planned = graph.copy()
-    with recording_refusals() as refusals:  # ops the recipe meant to split but could not
-        context = apply_recipe(planned, recipe, world_size, **params)
-    check_coverage(planned, graph, world_size, recipe=recipe, allow_partial=allow_partial, refusals=refusals)
-    plan = build_plan(
-        module, example_args, step, graph, planned, world_size, recipe=recipe, params=params, zero_stage=context.zero_stage,
-        validated=True, communication_cost=communication_cost, layout=context.layout, pipeline=context.pipeline,
-    )
+    with stage(f"planning {len(graph.ops)} ops with recipe {recipe} for {world_size} ranks"):
+        with recording_refusals() as refusals:  # ops the recipe meant to split but could not
+            context = apply_recipe(planned, recipe, world_size, **params)
+        check_coverage(planned, graph, world_size, recipe=recipe, allow_partial=allow_partial, refusals=refusals)
+    with stage(f"materializing {len(planned.ops)} pieces and generating {world_size} modules"):
+        plan = build_plan(
+            module, example_args, step, graph, planned, world_size, recipe=recipe, params=params, zero_stage=context.zero_stage,
+            validated=True, communication_cost=communication_cost, layout=context.layout, pipeline=context.pipeline,
+        )
     plan.step_values = step_values
     return plan
+
+
+class _Stages:
+    """``with stage("tracing ..."):`` reports the start and the end (with seconds) of each planning stage."""
+
+    def __init__(self, progress: Callable[[str], None] | None) -> None:
+        self.progress = progress
+
+    @contextlib.contextmanager
+    def __call__(self, what: str) -> Iterator[None]:
+        if self.progress is None:
+            yield
+            return
+        self.progress(f"{what} ...")
+        start = time.perf_counter()
+        yield
+        self.progress(f"{what}: done in {time.perf_counter() - start:.1f} s")
 
 
 def build_plan(

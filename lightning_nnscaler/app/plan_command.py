@@ -77,8 +77,7 @@ def plan_command(overrides: Sequence[str], output: Path) -> Plan:
         module = instantiate(job.model)
         replicas = check_fit(job, module, world_size).data_parallel
         batch = module.example_batch(job.batch_size * replicas, torch.Generator().manual_seed(job.seed))
-        status.update(f"tracing, planning ({job.recipe.name} on {world_size} ranks), materializing and generating code")
-        plan = parallelize(module, batch, job.recipe.name, world_size, step="training_step", **job.recipe.params)
+        plan = parallelize(module, batch, job.recipe.name, world_size, step="training_step", progress=status.update, **job.recipe.params)
     print(plan.explain())
     print("parameters per rank (elements):")
     for rank, count in enumerate(rank_parameter_counts(plan)):

@@ -16,6 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_nnscaler.capture import CaptureError, flatten_inputs
 from lightning_nnscaler.parallelize import Plan, parallelize
@@ -70,7 +71,8 @@ def plan_training_step(
     replicas = load_recipe(recipe).layout(world_size, params).data_parallel
     try:
         plan = parallelize(
-            module, whole_batch(batch, replicas), recipe, world_size, step="training_step", allow_partial=allow_partial, **params
+            module, whole_batch(batch, replicas), recipe, world_size, step="training_step", allow_partial=allow_partial,
+            progress=rank_zero_info, **params,
         )
     except Exception as error:  # noqa: BLE001 - every planning failure gets the recipe and the fix
         hint = "" if isinstance(error, CaptureError) else (  # a capture error says its own fix

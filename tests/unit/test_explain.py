@@ -24,3 +24,12 @@ def test_explain_reports_sharded_parameters_and_communication() -> None:
     assert tp_rank["communication"] > 0
     text = tp.explain()
     assert "recipe tp" in text and text.count("\n") == 3  # title, header, one row per rank
+
+
+def test_parallelize_reports_each_planning_stage_with_its_time() -> None:
+    model = GPT(GPTConfig.small())
+    lines: list[str] = []
+    lnn.parallelize(model, model.example_batch(4, torch.Generator().manual_seed(0)), "1f1b", 2, step="training_step", progress=lines.append)
+    assert [line.split(" ")[0] for line in lines] == ["tracing", "tracing", "planning", "planning", "materializing", "materializing"]
+    assert lines[1].startswith("tracing GPT.training_step: done in ") and lines[1].endswith(" s")
+    assert "with recipe 1f1b for 2 ranks" in lines[2] and "generating 2 modules" in lines[4]
