@@ -24,11 +24,23 @@ For each schedule (GPipe, 1F1B, interleaved 1F1B with v=2, ZB-H1) and m microbat
    "Trying to use a saved tensor that has been detached in-place" when a stage receives two tensors
    (a cut between a layer norm and its attention); the row then reads n/a with torch's error.
 
+A second table (issue 9's acceptance) pipelines a recycling model, the Evoformer reference with
+``recycles=3`` (two passes under ``torch.no_grad()``, then one with gradients): 3F1B
+(``lnn.parallelize(..., "3f1b", ...)``) against GPipe with the recycling passes run outside the
+pipeline. The baseline is the same planned graph and stage cut with a hand-built schedule
+(``recycling_outside_schedule``): each rank runs every recycling pass's stage as a forward pipeline
+over all microbatches (pass 0, then pass 1), then GPipe on the gradient pass (all F, then all B in
+microbatch order); only the generated SCHEDULE differs. Columns: ms/step, speed-up over the baseline
+(goal >= 1.2), measured bubble, and the symbolic ``bubble_fraction`` of each schedule (F = 1, B = 2,
+a no-grad forward costs as much as a forward).
+
 With fewer cores than ranks (the default machine: 4 ranks on 2 cores) ranks slow each other down
 while they compute at once, which makes measured bubbles smaller than on dedicated cores.
 
-Run: python benchmarks/pipeline.py            (about 3 minutes on 2 cores)
-     python benchmarks/pipeline.py --quick    (a smaller GPT and fewer steps)
+Run: python benchmarks/pipeline.py                    (both tables; about 5 minutes on 2 cores)
+     python benchmarks/pipeline.py --only gpt         (the GPT table alone)
+     python benchmarks/pipeline.py --only recycling   (the 3F1B table alone)
+     python benchmarks/pipeline.py --quick            (smaller models and fewer steps)
 """
 
 from __future__ import annotations
@@ -48,11 +60,15 @@ from torch import nn
 import lightning_nnscaler as lnn
 from lightning_nnscaler.codegen import module_from_source
 from lightning_nnscaler.launch import LaunchError, launch
+from lightning_nnscaler.models.evoformer import Evoformer, EvoformerConfig
 from lightning_nnscaler.models.gpt import GPT, GPTConfig
+from lightning_nnscaler.parallelize import build_plan
+from lightning_nnscaler.plans.context import PipelinePlan
 from lightning_nnscaler.runtime import TorchDistributedCommunicator
 from lightning_nnscaler.runtime.executor import RankExecutor
 from lightning_nnscaler.schedules import (
-    bubble_fraction, gpipe, interleaved, one_f_one_b, peak_in_flight, theoretical_bubble_fraction, zb1,
+    Action, Kind, Schedule, bubble_fraction, gpipe, interleaved, lower, one_f_one_b, peak_in_flight,
+    theoretical_bubble_fraction, validate, zb1,
 )
 
 SCHEDULES: dict[str, dict[str, int]] = {"gpipe": {}, "1f1b": {}, "interleaved": {"virtual_stages": 2}, "zb1": {}}
@@ -82,6 +98,50 @@ class Settings:
         """The GPT's shape."""
         return GPTConfig(vocab_size=self.vocab, seq_len=self.seq_len, hidden=self.hidden, layers=self.layers, heads=self.heads)
 
+    def model(self) -> GPT:
+        """A fresh GPT (weights from the caller's RNG state)."""
+        return GPT(self.gpt_config())
+
+
+@dataclass(frozen=True)
+class RecyclingSettings:
+    """The recycling model, the pipeline and the measurement.
+
+    The Evoformer is pair-heavy (a long crop, few MSA rows): its triangle updates, O(n_res³ c_z),
+    dominate the work, and the MSA representation crossing a block boundary is small next to the
+    pair one, so the planner's stage cut (which prefers cuts where few bytes cross) can fall between
+    blocks and comes out balanced (op-cost shares 0.083 per stage). With many MSA rows only the
+    pass boundaries are light places and one rank gets most of the work, whatever the schedule.
+    """
+
+    n_seq: int = 4
+    n_res: int = 48
+    c_m: int = 16
+    c_z: int = 32
+    blocks: int = 4
+    recycles: int = 3
+    batch: int = 8
+    stages: int = 4
+    microbatches: int = 8
+    warmup: int = 2
+    steps: int = 5
+    collective_timeout: float = 60.0
+    run_timeout: float = 420.0
+
+    def evoformer_config(self) -> EvoformerConfig:
+        """The Evoformer's shape: ``EvoformerConfig.small()`` scaled up, with ``recycles`` passes."""
+        return dataclasses.replace(
+            EvoformerConfig.small(), n_seq=self.n_seq, n_res=self.n_res, c_m=self.c_m, c_z=self.c_z, c_opm=8,
+            msa_heads=4, pair_heads=4, blocks=self.blocks, recycles=self.recycles, distogram_bins=16,
+        )
+
+    def model(self) -> Evoformer:
+        """A fresh Evoformer (weights from the caller's RNG state)."""
+        return Evoformer(self.evoformer_config())
+
+
+AnySettings = Settings | RecyclingSettings
+
 
 @dataclass
 class PlanPayload:
@@ -100,16 +160,16 @@ class PlanPayload:
 # --- model and plans (parent) -----------------------------------------------------------------------
 
 
-def build_model(settings: Settings) -> GPT:
-    """The GPT with seed-0 weights (the same on every process)."""
+def build_model(settings: AnySettings) -> Any:
+    """The settings' model (GPT or Evoformer) with seed-0 weights (the same on every process)."""
     torch.manual_seed(0)
-    model = GPT(settings.gpt_config())
+    model = settings.model()
     model.log = lambda *args, **kwargs: None
     return model
 
 
-def example_batch(model: GPT, settings: Settings) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (tokens, targets) batch every step uses."""
+def example_batch(model: Any, settings: AnySettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch every step uses: (tokens, targets) or (msa_features, target_bins)."""
     return model.example_batch(settings.batch, torch.Generator().manual_seed(0))
 
 
@@ -257,11 +317,11 @@ def synced_step(run: Any) -> float:
 # --- ours (ranks) -----------------------------------------------------------------------------------
 
 
-def run_ours(rank: int, settings: Settings, payload: PlanPayload) -> dict[str, Any]:
+def run_ours(rank: int, settings: AnySettings, payload: PlanPayload) -> dict[str, Any]:
     """Warm-up, timed steps (with the action trace) and one metered step of our plan on this rank."""
     model = build_model(settings)
-    tokens, targets = example_batch(model, settings)
-    inputs = dict(zip(payload.input_names, lnn.flatten_inputs((tokens, targets), step="training_step")))
+    batch = example_batch(model, settings)
+    inputs = dict(zip(payload.input_names, lnn.flatten_inputs(batch, step="training_step")))
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     communicator = TimedCommunicator(settings.collective_timeout)
     module = module_from_source(payload.sources[rank], f"bench_{payload.name}_rank{rank}")
@@ -496,15 +556,128 @@ def _column(moment: float, origin: float, span: float, columns: int) -> int:
     return min(columns, max(0, round((moment - origin) / span * columns)))
 
 
+# --- 3F1B on a recycling model (issue 9) ------------------------------------------------------------
+
+RECYCLING_BASELINE = "gpipe+recycling outside"
+"""The baseline's row: GPipe on the gradient pass, the recycling passes run before it as forward pipelines."""
+
+
+def recycling_outside_schedule(schedule: Schedule) -> Schedule:
+    """GPipe with the recycling passes outside the pipeline, over ``schedule``'s stages and ranks.
+
+    Each rank runs its forward-only (recycling) stages in increasing order, each over all microbatches
+    (pass 0's stage, then pass 1's), then GPipe on its gradient-pass stage(s): every F, then every B in
+    microbatch order (``schedules.gpipe``; with several gradient stages on a rank, B in reverse stage
+    order). The lowering must validate (messages paired in order, no cross-rank cycle).
+
+    Raises:
+        ScheduleError: the hand-built order would hang or cross messages (with the step × rank grid).
+    """
+    m = schedule.microbatches
+    actions = []
+    for rank in range(schedule.world_size):
+        stages = schedule.stages_of_rank(rank)
+        recycling = [stage for stage in stages if not schedule.has_backward(stage)]
+        gradient = [stage for stage in stages if schedule.has_backward(stage)]
+        actions.append(
+            [Action(stage, microbatch, Kind.FORWARD) for stage in recycling for microbatch in range(m)]
+            + [Action(stage, microbatch, Kind.FORWARD) for stage in gradient for microbatch in range(m)]
+            + [Action(stage, microbatch, Kind.BACKWARD) for stage in reversed(gradient) for microbatch in range(m)]
+        )
+    baseline = Schedule(actions, schedule.stage_ranks, m, schedule.forward_only)
+    validate(lower(baseline))
+    return baseline
+
+
+def make_recycling_plans(settings: RecyclingSettings) -> tuple[list[PlanPayload], dict[str, Schedule]]:
+    """Plan 3F1B once, and the baseline from the same planned graph and stage cut with its hand-built
+    schedule (only the generated SCHEDULE differs): payloads, and the schedules by row name."""
+    model = build_model(settings)
+    batch = example_batch(model, settings)
+    plan = lnn.parallelize(model, batch, "3f1b", settings.stages, step="training_step", microbatches=settings.microbatches)
+    assert plan.pipeline is not None, "3f1b plans carry a pipeline schedule"
+    baseline = recycling_outside_schedule(plan.pipeline.schedule)
+    baseline_plan = build_plan(
+        model, batch, "training_step", plan.graph, plan.planned, settings.stages, recipe="gpipe-recycling-outside",
+        pipeline=PipelinePlan(baseline, plan.pipeline.column_of_rank), layout=plan.layout,
+    )
+    payloads = [
+        PlanPayload(name, settings.recycles, planned.sources, dict(planned.graph.constant_values),
+                    [tensor.name for tensor in planned.graph.user_inputs], [planned.input_offsets(rank) for rank in range(settings.stages)])
+        for name, planned in ((RECYCLING_BASELINE, baseline_plan), ("3f1b", plan))
+    ]
+    return payloads, {RECYCLING_BASELINE: baseline, "3f1b": plan.pipeline.schedule}
+
+
+def recycling_rank_main(rank: int, world_size: int, settings: RecyclingSettings, payloads: list[PlanPayload]) -> dict[str, Any]:
+    """Every recycling schedule on this rank (ours only: torch has no forward-only stages); results by name."""
+    torch.set_num_threads(1)  # the ranks share the cores: more intra-op threads only contend
+    return {payload.name: {"ours": run_ours(rank, settings, payload)} for payload in payloads}
+
+
+def recycling_table(per_rank: list[dict[str, Any]], settings: RecyclingSettings, schedules: dict[str, Schedule]) -> str:
+    """The 3F1B table: ms/step, speed-up over the baseline, measured and symbolic bubble, activation peaks."""
+    header = ["schedule", "ms/step", "speed-up vs baseline", "measured bubble", "theory bubble",
+              *(f"act stage{rank}" for rank in range(settings.stages))]
+    milliseconds = {name: step_ms([results[name]["ours"]["times"] for results in per_rank]) for name in schedules}
+    rows = []
+    for name, schedule in schedules.items():
+        ours = [results[name]["ours"] for results in per_rank]
+        bubble = mean([value for result in ours for value in result["bubbles"]])
+        expected = peak_in_flight(schedule)
+        memory = [f"{result['peak'] * settings.microbatches / result['total']:.2f} ({expected[rank]:g})" if result["total"] else "n/a"
+                  for rank, result in enumerate(ours)]
+        rows.append([name, f"{milliseconds[name]:.1f}", f"{milliseconds[RECYCLING_BASELINE] / milliseconds[name]:.2f}",
+                     f"{bubble:.3f}", f"{bubble_fraction(schedule):.3f}", *memory])
+    widths = [max(len(row[column]) for row in [header, *rows]) for column in range(len(header))]
+    lines = [" | ".join(text.ljust(width) for text, width in zip(header, widths)), "-+-".join("-" * width for width in widths)]
+    lines += [" | ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def run_recycling(quick: bool, steps: int | None) -> None:
+    """Plan and run the recycling schedules on 4 gloo ranks; print the 3F1B table and both timelines."""
+    settings = RecyclingSettings(n_res=32, steps=2, warmup=1) if quick else RecyclingSettings()
+    if steps:
+        settings = dataclasses.replace(settings, steps=steps)
+    started = time.perf_counter()
+    print(f"Evoformer n_seq {settings.n_seq}, n_res {settings.n_res}, c_m {settings.c_m}, c_z {settings.c_z}, {settings.blocks} blocks, "
+          f"{settings.recycles} passes ({settings.recycles - 1} no-grad), batch {settings.batch}; p = {settings.stages} gloo CPU ranks "
+          f"(1 thread each), m = {settings.microbatches}; {settings.warmup} warm-up + {settings.steps} timed steps; torch {torch.__version__}")
+    payloads, schedules = make_recycling_plans(settings)
+    print(f"planned 3f1b and its baseline in {time.perf_counter() - started:.1f} s")
+    try:
+        per_rank = launch(recycling_rank_main, settings.stages, settings, payloads, timeout=settings.run_timeout,
+                          collective_timeout=settings.collective_timeout)
+    except LaunchError as error:
+        raise SystemExit(f"benchmark failed: {error}") from None
+    print(recycling_table(per_rank, settings, schedules))
+    print("ms/step: median over timed steps of the slowest rank; speed-up: baseline ms / row ms (goal >= 1.2 for 3f1b); "
+          "measured bubble: mean over ranks and timed steps; theory: bubble_fraction of the schedule (F = 1, B = 2)")
+    print("act stageN: peak saved-for-backward bytes / one microbatch of that rank's gradient stage (schedule's peak in-flight count)")
+    for name in schedules:
+        print(timeline(per_rank, name))
+    print(f"wall time {time.perf_counter() - started:.0f} s")
+
+
 def main() -> None:
-    """Plan, run every schedule on 4 gloo ranks, print the table and the 1F1B timelines."""
+    """Run the GPT table (every schedule vs torch) and the recycling table (3F1B vs its baseline), or one of them."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a smaller GPT and fewer steps (a smoke test)")
+    parser.add_argument("--quick", action="store_true", help="smaller models and fewer steps (a smoke test)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per schedule")
+    parser.add_argument("--only", choices=("gpt", "recycling"), default=None, help="run one table (default: both)")
     arguments = parser.parse_args()
-    settings = Settings(hidden=64, vocab=128, seq_len=32, steps=2, warmup=1) if arguments.quick else Settings()
-    if arguments.steps:
-        settings = dataclasses.replace(settings, steps=arguments.steps)
+    if arguments.only in (None, "gpt"):
+        run_gpt(arguments.quick, arguments.steps)
+    if arguments.only in (None, "recycling"):
+        run_recycling(arguments.quick, arguments.steps)
+
+
+def run_gpt(quick: bool, steps: int | None) -> None:
+    """Plan, run every schedule on 4 gloo ranks, print the table and the 1F1B timelines."""
+    settings = Settings(hidden=64, vocab=128, seq_len=32, steps=2, warmup=1) if quick else Settings()
+    if steps:
+        settings = dataclasses.replace(settings, steps=steps)
     started = time.perf_counter()
     print(f"GPT hidden {settings.hidden}, {settings.layers} layers, seq {settings.seq_len}, vocab {settings.vocab}, batch {settings.batch}; "
           f"p = {settings.stages} gloo CPU ranks (1 thread each), m = {settings.microbatches}; "

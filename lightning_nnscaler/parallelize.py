@@ -24,7 +24,7 @@ from lightning_nnscaler.ir.op import PROLOGUE
 from lightning_nnscaler.ir.tensor import dtype_bytes
 from lightning_nnscaler.ir.validate import PlanError
 from lightning_nnscaler.materialize.dependencies import materialize
-from lightning_nnscaler.materialize.program import Collective, Compute, Program, Recv
+from lightning_nnscaler.materialize.program import Collective, Compute, Program, Recv, Send
 from lightning_nnscaler.plans.context import PipelinePlan
 from lightning_nnscaler.plans.layout import RecipeLayout, single_replica
 from lightning_nnscaler.runtime.comm import Communicator
@@ -328,6 +328,7 @@ def check_pipeline(program: Program, pipeline: PipelinePlan) -> None:
         PlanError: a rank's schedule and its segments differ.
     """
     validate(lower(pipeline.schedule))
+    check_message_order(program, pipeline)
     if len(pipeline.column_of_rank) != program.world_size:
         raise PlanError(f"the pipeline places {len(pipeline.column_of_rank)} ranks, but the plan has {program.world_size}")
     for rank_program in program.ranks:
@@ -337,6 +338,52 @@ def check_pipeline(program: Program, pipeline: PipelinePlan) -> None:
             raise PlanError(
                 f"rank {rank_program.rank} runs segments {sorted(present - scheduled)[:4]} (stage, microbatch) that its schedule "
                 f"never runs; its schedule: {[str(action) for action in pipeline.actions(rank_program.rank)][:12]}"
+            )
+
+
+def check_message_order(program: Program, pipeline: PipelinePlan) -> None:
+    """Raise ``PlanError`` unless, between every two ranks, the boundary messages (activations after
+    an F, gradients after a B) are received in the order they are sent when each rank runs its
+    schedule: NCCL pairs point-to-point messages in posting order and ignores tags. ``validate``
+    checks this for the schedule's stage-to-stage messages; this checks every message the program
+    has, including a tensor that skips stages."""
+    boundary_in: dict[tuple, list[Recv]] = {}
+    boundary_out: dict[tuple, list[Send]] = {}
+    for rank_program in program.ranks:
+        for action in rank_program.actions:
+            if isinstance(action, Recv) and action.boundary:
+                boundary_in.setdefault((rank_program.rank, action.segment), []).append(action)
+            elif isinstance(action, Send) and action.boundary:
+                boundary_out.setdefault((rank_program.rank, action.segment), []).append(action)
+    sent: dict[tuple[int, int], list[tuple[str, int]]] = {}
+    received: dict[tuple[int, int], list[tuple[str, int]]] = {}
+    for rank in range(program.world_size):
+        for action in pipeline.actions(rank):
+            segment, kind = (action.stage, action.microbatch), action.kind.value
+            inputs, outputs = boundary_in.get((rank, segment), []), boundary_out.get((rank, segment), [])
+            if kind == "F":
+                for message in inputs:
+                    received.setdefault((message.src, rank), []).append(("activation", message.tag))
+                for message in outputs:
+                    sent.setdefault((rank, message.dst), []).append(("activation", message.tag))
+            elif kind == "B":
+                for message in outputs:
+                    if message.gradient:
+                        received.setdefault((message.dst, rank), []).append(("gradient", message.tag))
+                for message in inputs:
+                    if message.gradient:
+                        sent.setdefault((rank, message.src), []).append(("gradient", message.tag))
+    for (src, dst), messages in sorted(sent.items()):
+        if src == dst:
+            continue
+        got = received.get((src, dst), [])
+        if messages != got:
+            index = next((i for i, (a, b) in enumerate(zip(messages, got)) if a != b), min(len(messages), len(got)))
+            raise PlanError(
+                f"rank {src} sends rank {dst} its boundary messages in another order than rank {dst} receives them: "
+                f"message {index} is {messages[index] if index < len(messages) else 'none'} on rank {src} but "
+                f"{got[index] if index < len(got) else 'none'} on rank {dst} (kind, tag); NCCL would pair them wrongly. "
+                "Reorder the schedule, or cut the stages so that no tensor skips a stage."
             )
 
 

@@ -13,7 +13,9 @@ from lightning_nnscaler.models.evoformer import Evoformer, EvoformerConfig
 from lightning_nnscaler.models.gpt import GPT, GPTConfig
 from lightning_nnscaler.models.mbart import MBart, MBartConfig
 from lightning_nnscaler.models.swin import Swin, SwinConfig
-from lightning_nnscaler.parallelize import build_plan
+from lightning_nnscaler.ir.validate import PlanError
+from lightning_nnscaler.materialize.program import Recv
+from lightning_nnscaler.parallelize import build_plan, check_message_order
 from lightning_nnscaler.plans.context import PipelinePlan, PlanContext
 from lightning_nnscaler.plans.pipeline import cut_stages, pipeline
 from lightning_nnscaler.schedules import Schedule, ScheduleError, one_f_one_b, peak_in_flight
@@ -158,3 +160,17 @@ def test_3f1b_refuses_a_model_that_does_not_recycle() -> None:
     model, batch = gpt_and_batch()
     with pytest.raises(ValueError, match=r"3f1b: the model has no recycling passes .*use 1f1b"):
         lnn.parallelize(model, batch, "3f1b", 2, step="training_step")
+
+
+def test_boundary_messages_received_out_of_send_order_are_refused() -> None:
+    """What NCCL (which ignores tags) needs of every pair of ranks, skip messages included."""
+    model, batch = gpt_and_batch(4)
+    plan = lnn.parallelize(model, batch, "gpipe", 2, step="training_step", microbatches=2)
+    check_message_order(plan.program, plan.pipeline)  # the recipe's plan passes
+    receiver = plan.program.ranks[1]
+    boundary = [index for index, action in enumerate(receiver.actions) if isinstance(action, Recv) and action.boundary]
+    first, second = (receiver.actions[index] for index in boundary[:2])
+    receiver.actions[boundary[0]] = dataclasses.replace(first, tag=second.tag)
+    receiver.actions[boundary[1]] = dataclasses.replace(second, tag=first.tag)
+    with pytest.raises(PlanError, match=r"rank 0 sends rank 1 its boundary messages in another order than rank 1 receives them"):
+        check_message_order(plan.program, plan.pipeline)
