@@ -322,22 +322,26 @@ def op_cost(op: Op) -> float:
 def _balanced_cuts(ops: Sequence[Op], stages: int) -> list[int]:
     """``stages - 1`` cut indices into ``ops`` of near equal cost, at *light* places where possible.
 
-    A light place is one where at most 1.25 times the fewest bytes that cross a cut inside the model (the
-    middle 80% of the cost) cross — between transformer blocks: the residual stream alone; each cut goes to the light place whose cost prefix
-    is nearest its target ``k × total / stages``, or to the nearest place when no light one is left.
+    Around each target ``k × total / stages`` (within half a stage's cost), a light place is one
+    where at most 1.25 times the fewest bytes crossing there cross — between transformer blocks, the
+    residual stream alone; the cut goes to the light place nearest the target. Where no place lies
+    that near (one op outweighs a stage, e.g. a large vocabulary's head), it goes to the nearest place
+    crossing at most 1.25 times the fewest bytes crossing anywhere inside the model (its middle 80 %).
     """
     costs = [op_cost(op) for op in ops]
     prefix = [0.0]
     for cost in costs:
         prefix.append(prefix[-1] + cost)
     crossing = _crossing_bytes(ops)
-    inner = [crossing[index] for index in range(1, len(ops)) if 0.1 * prefix[-1] <= prefix[index] <= 0.9 * prefix[-1]]
-    lightest = min(inner or crossing[1 : len(ops)], default=0)  # inside the model, not the loss's scalars
     total, cuts, previous = prefix[-1], [], 0
+    inner = [crossing[index] for index in range(1, len(ops)) if 0.1 * total <= prefix[index] <= 0.9 * total]
+    lightest = min(inner or crossing[1 : len(ops)], default=0)  # inside the model, not the loss's scalars
     for k in range(1, stages):
         target = k * total / stages
         allowed = range(previous + 1, len(ops) - (stages - k) + 1)
-        light = [index for index in allowed if crossing[index] <= 1.25 * lightest]
+        near = [index for index in allowed if abs(prefix[index] - target) <= 0.5 * total / stages]
+        bound = 1.25 * (min(crossing[index] for index in near) if near else lightest)
+        light = [index for index in (near or allowed) if crossing[index] <= bound]
         best = min(light or allowed, key=lambda index: (abs(prefix[index] - target), crossing[index]))
         cuts.append(best)
         previous = best

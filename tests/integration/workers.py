@@ -91,6 +91,30 @@ def train_planned(rank: int, world_size: int, model_name: str, planned: list[tup
     return results
 
 
+def assert_trains_like_one_device(
+    per_rank: list[dict[str, Any]], label: str, expected_losses: list[float], expected_parameters: dict[str, torch.Tensor],
+    loose: dict[str, float] | None = None,
+) -> None:
+    """Every rank's per-step losses (rtol 1e-5) and the merged final parameters (atol 1e-5, or ``loose[suffix]``
+    for a parameter whose key ends so) of run ``label`` equal single-device training's.
+
+    atol 1e-5: a parameter whose true gradient is exactly zero (a key projection's bias: softmax ignores
+    a shift) gets AdamW-normalized rounding noise as updates, of order lr * 1e-3.
+    """
+    from lightning_nnscaler.runtime.executor import Shard, merge_shards
+
+    for rank, results in enumerate(per_rank):
+        losses = results[label]["losses"]
+        assert len(losses) == len(expected_losses)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6, msg=lambda m, k=rank: f"{label} rank {k} losses: {m}")
+    shards = [{str(i): Shard(location, tensor) for i, (location, tensor) in enumerate(results[label]["shards"])} for results in per_rank]
+    merged = merge_shards(shards, {key: tuple(value.shape) for key, value in expected_parameters.items()})
+    assert merged.keys() == expected_parameters.keys(), label
+    for key, value in expected_parameters.items():
+        atol = next((tolerance for suffix, tolerance in (loose or {}).items() if key.endswith(suffix)), 1e-5)
+        torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=atol, msg=lambda m, k=key: f"{label} parameter {k}: {m}")
+
+
 def die_mid_step(rank: int, world_size: int) -> tuple[str, float]:
     """Rank 1 vanishes after setup, before its first step; rank 0 must fail on its own.
 
