@@ -9,23 +9,21 @@ bubble shrinks from (p - 1)(F + B + W) to (p - 1)(F + B - W) in the paper's nota
 
 from __future__ import annotations
 
-from lightning_nnscaler.schedules.actions import B, F, W, Action, Schedule, require_positive
+from lightning_nnscaler.schedules.actions import B, W, Action, Schedule
+from lightning_nnscaler.schedules.one_f_one_b import one_f_one_b
 
 
 def zb1(stages: int, microbatches: int) -> Schedule:
     """Compute-only ZB-H1 schedule: 1F1B order with each rank-r W trailing its B by r microbatches."""
-    require_positive(stages=stages, microbatches=microbatches)
+    order = one_f_one_b(stages, microbatches)
     actions = []
-    for stage in range(stages):
-        warmup = min(stages - 1 - stage, microbatches)
-        rank_actions = [Action(stage, microbatch, F) for microbatch in range(warmup)]
-        for microbatch in range(microbatches):
-            if warmup + microbatch < microbatches:
-                rank_actions.append(Action(stage, warmup + microbatch, F))
-            rank_actions.append(Action(stage, microbatch, B))
-            if microbatch >= stage:  # W of the microbatch `stage` places back; the rest wait for the end
-                rank_actions.append(Action(stage, microbatch - stage, W))
-        first_deferred = max(microbatches - stage, 0)
+    for stage, rank_order in enumerate(order.actions):
+        rank_actions = []
+        for action in rank_order:
+            rank_actions.append(action)
+            if action.kind is B and action.microbatch >= stage:  # W of the microbatch `stage` places back
+                rank_actions.append(Action(stage, action.microbatch - stage, W))
+        first_deferred = max(microbatches - stage, 0)  # the rest wait for the end, where 1F1B idles
         rank_actions += [Action(stage, microbatch, W) for microbatch in range(first_deferred, microbatches)]
         actions.append(rank_actions)
-    return Schedule(actions, tuple(range(stages)), microbatches)
+    return Schedule(actions, order.stage_ranks, microbatches)
