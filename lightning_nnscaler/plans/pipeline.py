@@ -133,6 +133,7 @@ def pipeline(
     choose = megatron_choice(graph) if tp > 1 else None
     origins = [op.name for op in graph.ops]
     pieces = split_batch(graph, dp * microbatches)
+    check_microbatches_split(pieces)
     for index, name in enumerate(origins):
         for part, piece in enumerate(pieces[index]):
             replica, microbatch = divmod(part, microbatches)
@@ -161,6 +162,28 @@ def order_forwards(graph: Graph, plan: PipelinePlan) -> None:
         present = [ops_of[(rank, segment)] for segment in forwards if (rank, segment) in ops_of]
         edges += [(earlier[-1], later[0]) for earlier, later in zip(present, present[1:])]
     op_orders(graph, edges)
+
+
+def check_microbatches_split(pieces: list[list[Op]]) -> None:
+    """Refuse an op left whole by the batch split that reads a tensor the split cut into microbatches:
+    each microbatch's copy would need every microbatch's rows, so no schedule could run them apart.
+
+    Raises:
+        ValueError: naming the op, its operator and the tensor.
+    """
+    split = {output.name for copies in pieces if len({copy.outputs[0].index for copy in copies if copy.outputs}) > 1 for output in copies[0].outputs}
+    for copies in pieces:
+        if len(copies) < 2 or len({tuple((piece.index, piece.value) for piece in copy.tensor_inputs) for copy in copies}) > 1:
+            continue
+        read = next((piece.name for piece in copies[0].tensor_inputs if piece.name in split), None)
+        if read is not None:
+            op = copies[0]
+            raise ValueError(
+                f"pipeline: op {op.source_name!r} ({op.target}) cannot be split along the batch, so each microbatch would "
+                f"read every microbatch's rows of %{read}; a pipeline needs every op on the batch's path to split by batch. "
+                f"Register a dimension annotation for {op.target} (lightning_nnscaler.register_annotation), or use a "
+                "recipe without microbatches (dp, tp)"
+            )
 
 
 def default_microbatches(rows: int, stages: int, multiple_of: int = 1) -> int:

@@ -94,6 +94,7 @@ register_annotation(
     "aten.fill.Scalar", "aten.clamp.default", "aten.clamp_min.default", "aten.clamp_max.default",
     "aten.gelu_backward.default", "aten.zeros_like.default", "aten.ones_like.default", "aten.empty_like.default",
     "aten.full_like.default", "aten.rand_like.default", "aten.randn_like.default", "aten.bernoulli.p",
+    "aten.broadcast_tensors.default",  # each output is its input broadcast to the common shape (mse_loss's prelude)
 )(lambda op: _broadcast(op))
 
 _LINEAR_UNARY = """neg clone alias contiguous detach lift_fresh_copy _to_copy""".split()

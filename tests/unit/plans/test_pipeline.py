@@ -185,3 +185,23 @@ def test_stage_cuts_stay_balanced_when_one_boundary_is_much_lighter_than_the_blo
     stage_of = cut_stages(graph, 12, forward_only=8).stage_of
     costs = [sum(op_cost(op) for op in graph.ops if stage_of[op.name] == stage) for stage in range(12)]
     assert max(costs) <= 1.5 * sum(costs) / 12, [round(cost / sum(costs), 3) for cost in costs]
+
+
+def test_an_op_the_batch_split_cannot_cut_is_refused_naming_it() -> None:
+    """Lightning's autoencoder example: ``F.mse_loss`` (no batch split) would make each microbatch read all."""
+
+    class LitAutoEncoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+            self.decoder = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.ReLU(), torch.nn.Linear(16, 64))
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            x = batch[0].view(batch[0].size(0), -1)
+            return torch.nn.functional.mse_loss(self.decoder(self.encoder(x)), x)
+
+    torch.manual_seed(0)
+    model, batch = LitAutoEncoder(), (torch.randn(8, 1, 8, 8), torch.zeros(8))
+    lnn.parallelize(model, batch, "dp", 2, step="training_step").verify()  # not pipelined: fine
+    with pytest.raises(ValueError, match=r"op 'mse_loss' \(aten.mse_loss.default\) cannot be split along the batch.*register_annotation"):
+        lnn.parallelize(model, batch, "1f1b", 2, step="training_step")
