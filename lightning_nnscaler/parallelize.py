@@ -13,16 +13,18 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from lightning_nnscaler.capture import bind_inputs, trace
 from lightning_nnscaler.capture.step_values import StepValues
-from lightning_nnscaler.capture.trace import trace_training_step
+from lightning_nnscaler.capture.trace import TracedStep, trace_step
 from lightning_nnscaler.codegen import emit_rank, module_from_source, save_sources
 from lightning_nnscaler.codegen.load import digest
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import PROLOGUE
 from lightning_nnscaler.ir.tensor import dtype_bytes
 from lightning_nnscaler.ir.validate import PlanError
+from lightning_nnscaler.logged_values import LoggedValues, plan_logged_values
 from lightning_nnscaler.materialize.dependencies import materialize
 from lightning_nnscaler.materialize.program import Collective, Compute, Program, Recv, Send
 from lightning_nnscaler.plans.context import PipelinePlan
@@ -36,13 +38,15 @@ CODEGEN_VERSION = "1"
 
 @dataclass
 class VerifyReport:
-    """What ``Plan.verify`` compared: the loss and the largest gradient difference."""
+    """What ``Plan.verify`` compared: the loss, the largest gradient difference and the logged values' sums."""
 
     world_size: int
     loss: float
     reference_loss: float
     max_gradient_difference: float
     parameters_checked: int
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The graph outputs besides the loss as the ranks summed them (``plan.logged.logs(values, replica)``)."""
 
 
 @dataclass
@@ -68,6 +72,8 @@ class Plan:
     _reference: Any = field(default=None, repr=False)
     step_values: StepValues = field(default_factory=StepValues)
     """The plain attributes the traced training_step read; ``check(module)`` before each step (none for forward)."""
+    logged: LoggedValues | None = None
+    """What the traced training_step logs and how each rank computes its replica's values (None for forward)."""
 
     @property
     def data_layout(self) -> RecipeLayout:
@@ -99,7 +105,8 @@ class Plan:
         """
         from lightning_nnscaler.runtime.memory_comm import run_ranks
 
-        reference = evaluate(self.graph, bind_inputs(self.graph, self.module, self.example_args, step=self.step))
+        graph_inputs = bind_inputs(self.graph, self.module, self.example_args, step=self.step)
+        reference = evaluate(self.graph, graph_inputs, backward_from=self.graph.outputs[:1])  # logged values start no backward
         inputs = self.inputs()
         state = {**dict(self.module.named_parameters(remove_duplicate=False)), **dict(self.module.named_buffers(remove_duplicate=False))}
 
@@ -108,15 +115,22 @@ class Plan:
             module = module_from_source(self.sources[rank], f"verify_rank{rank}")
             executor = RankExecutor(module, rank, state, self.graph.constant_values, communicator, input_offsets=self.input_offsets(rank))
             loss = executor.forward_backward(self.replica_inputs(rank, inputs))
-            return float(loss), executor.gradients()
+            return float(loss), executor.gradients(), executor.values
 
         results = run_ranks(self.world_size, run_rank, timeout=timeout)
         reference_loss = float(reference.outputs[self.graph.outputs[0]])
-        for rank, (loss, _) in enumerate(results):
+        for rank, (loss, _, values) in enumerate(results):
             if not math.isclose(loss, reference_loss, rel_tol=rtol, abs_tol=atol):
                 raise EquivalenceError(f"rank {rank}: loss {loss} differs from the single-device loss {reference_loss}")
+            for name in self.graph.outputs[1:]:
+                expected = reference.outputs[name].detach().to(torch.float64)
+                if name not in values or not torch.allclose(values[name], expected, rtol=rtol, atol=atol):
+                    raise EquivalenceError(
+                        f"rank {rank}: graph output {name!r} (a logged value's per-replica sums) is {values.get(name)}, "
+                        f"single device {expected}"
+                    )
         shapes = {tensor.state_key: tensor.shape for tensor in self.graph.parameters}
-        merged = merge_gradients([shards for _, shards in results], shapes)
+        merged = merge_gradients([shards for _, shards, _ in results], shapes)
         expected = {self.graph.tensors[name].state_key: grad for name, grad in reference.gradients.items() if self.graph.tensors[name].role == "parameter"}
         worst = 0.0
         for key, grad in expected.items():
@@ -126,7 +140,7 @@ class Plan:
                 difference = (merged[key] - grad).abs().max().item()
                 raise EquivalenceError(f"gradient of parameter {key!r} differs from single device (max abs difference {difference:.3g})")
             worst = max(worst, (merged[key] - grad).abs().max().item())
-        return VerifyReport(self.world_size, results[0][0], reference_loss, worst, len(expected))
+        return VerifyReport(self.world_size, results[0][0], reference_loss, worst, len(expected), results[0][2])
 
     def input_offsets(self, rank: int) -> dict[str, int]:
         """Per batch input, the first row of rank ``rank``'s replica's share in the whole batch."""
@@ -250,8 +264,11 @@ def parallelize(
 
     stage = _Stages(progress)
     with stage(f"tracing {type(module).__name__}.{step or 'forward'}"):
+        logged = None
         if step == "training_step":  # the step's Python values that tracing would freeze: refused, or checked every step
-            graph, step_values = trace_training_step(module, example_args)
+            traced = trace_step(module, example_args)
+            graph, step_values = traced.graph, traced.step_values
+            logged = _plan_logged_values(module, example_args, traced, recipe, world_size, params)
         else:
             graph, step_values = trace(module, example_args, step=step), StepValues()
     planned = graph.copy()
@@ -265,7 +282,24 @@ def parallelize(
             validated=True, communication_cost=communication_cost, layout=context.layout, pipeline=context.pipeline,
         )
     plan.step_values = step_values
+    plan.logged = logged
     return plan
+
+
+def _plan_logged_values(module: nn.Module, batch: Any, traced: TracedStep, recipe: str, world_size: int, params: dict[str, Any]) -> LoggedValues:
+    """What the traced step logs, computed per data-parallel replica (``logged_values``); edits ``traced.graph``."""
+    from lightning_nnscaler.plans.catalog import load_recipe
+
+    replicas = load_recipe(recipe).layout(world_size, params).data_parallel
+    replica_graph = None
+    if replicas > 1 and any(call.output is not None for call in traced.logs):
+        replica_graph = trace_step(module, replica_rows(batch, replicas)).graph
+    return plan_logged_values(traced.graph, traced.logs, replicas, replica_graph)
+
+
+def replica_rows(batch: Any, replicas: int) -> Any:
+    """The first data-parallel replica's share of a whole ``batch``: the first ``1/replicas`` of dim 0 of each tensor."""
+    return pytree.tree_map(lambda leaf: leaf[: leaf.shape[0] // replicas] if isinstance(leaf, torch.Tensor) and leaf.dim() else leaf, batch)
 
 
 class _Stages:

@@ -22,11 +22,12 @@ class Evaluation:
     gradients: dict[str, torch.Tensor]
 
 
-def evaluate(graph: Graph, inputs: dict[str, torch.Tensor], seed: int = 0) -> Evaluation:
+def evaluate(graph: Graph, inputs: dict[str, torch.Tensor], seed: int = 0, backward_from: list[str] | None = None) -> Evaluation:
     """Run ``graph`` forward and backward on copies of ``inputs``.
 
-    Backward starts from every output that requires grad: a scalar output (the loss) with weight 1,
-    others with a fixed random weighting, so every element's gradient path is checked.
+    Backward starts from every output that requires grad (or those of ``backward_from``, e.g. a
+    step's loss and not its logged values): a scalar output (the loss) with weight 1, others with a
+    fixed random weighting, so every element's gradient path is checked.
     """
     leaves = {}
     for name, value in inputs.items():
@@ -38,7 +39,7 @@ def evaluate(graph: Graph, inputs: dict[str, torch.Tensor], seed: int = 0) -> Ev
     outputs = run_graph(graph, leaves)
     generator = torch.Generator().manual_seed(seed)
     seeds = []
-    for name in graph.outputs:
+    for name in graph.outputs if backward_from is None else backward_from:
         output = outputs[name]
         if output.requires_grad:
             weights = torch.randn(output.shape, generator=generator, dtype=output.dtype) if output.dim() else torch.ones((), dtype=output.dtype)

@@ -11,6 +11,7 @@ check before each step (``step_values``).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -18,21 +19,25 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from lightning_nnscaler.capture.convert import CaptureError, convert
+from lightning_nnscaler.capture.logs import LogCall, LogRecorder
 from lightning_nnscaler.capture.step_values import StepValues, StepWatch, watch_step
 from lightning_nnscaler.ir.graph import Graph
 
 
 class _TrainingStep(nn.Module):
-    """Exposes ``training_step(batch, batch_idx)`` as ``forward(batch)`` returning the loss tensor;
-    ``batch_idx`` (0) and the torch calls are watched by ``watch`` (``step_values``)."""
+    """Exposes ``training_step(batch, batch_idx)`` as ``forward(batch)`` returning the loss tensor and then
+    each tensor the step logs (``logs``); ``batch_idx`` (0) and the torch calls are watched by ``watch``
+    (``step_values``)."""
 
-    def __init__(self, module: nn.Module, watch: StepWatch) -> None:
+    def __init__(self, module: nn.Module, watch: StepWatch, logs: LogRecorder) -> None:
         super().__init__()
         self.module = module
         self.watch = watch
+        self.logs = logs
 
-    def forward(self, batch: Any) -> torch.Tensor:
-        with self.watch.torch_calls():
+    def forward(self, batch: Any) -> tuple[torch.Tensor, ...]:
+        self.logs.reset()
+        with self.watch.torch_calls(), _logging_to(self.module, self.logs):
             output = self.module.training_step(batch, self.watch.batch_idx)
         if isinstance(output, dict):
             output = output.get("loss")
@@ -41,7 +46,7 @@ class _TrainingStep(nn.Module):
                 f"{type(self.module).__name__}.training_step returned {type(output).__name__}; it must return the "
                 "loss tensor or a dict with a 'loss' tensor"
             )
-        return output
+        return self.logs.outputs(output)
 
 
 class _Forward(nn.Module):
@@ -80,28 +85,69 @@ def trace(module: nn.Module, example_args: Any, *, step: str | None = None) -> G
     return convert(_export(wrapper, args, module), dict(wrapper.named_parameters(remove_duplicate=False)), prefix="module.")
 
 
+@dataclass
+class TracedStep:
+    """A captured ``training_step``: its graph (outputs: the loss, then the logged tensors), the plain
+    attributes it read (checked before each later step) and its ``self.log`` calls."""
+
+    graph: Graph
+    step_values: StepValues
+    logs: list[LogCall]
+
+
 def trace_training_step(module: nn.Module, batch: Any) -> tuple[Graph, StepValues]:
     """Capture ``module.training_step(batch, batch_idx)`` into an IR Graph, watching the Python
     values the captured step would freeze (``capture.step_values``).
 
     Returns:
-        The graph (user inputs follow ``flatten_inputs(batch, step="training_step")``) and the plain
-        attributes the step read, whose ``check(module)`` must pass before each later step.
+        The graph (user inputs follow ``flatten_inputs(batch, step="training_step")``; its output is
+        the loss) and the plain attributes the step read, whose ``check(module)`` must pass before
+        each later step. ``trace_step`` also keeps what the step logs.
 
     Raises:
         FrozenValueError: the step computes with ``batch_idx``, ``self.global_step``,
             ``self.current_epoch`` or the Trainer's, or assigns a plain attribute; naming each and the fix.
         CaptureError: naming the submodule whose code could not be captured and what to change.
     """
+    traced = trace_step(module, batch)
+    return loss_only(traced.graph), traced.step_values
+
+
+def trace_step(module: nn.Module, batch: Any) -> TracedStep:
+    """``trace_training_step`` with the step's ``self.log`` / ``self.log_dict`` calls (``capture.logs``)."""
+    logs = LogRecorder(module)
     with watch_step(module) as watch:
-        wrapper = _TrainingStep(module, watch)
+        wrapper = _TrainingStep(module, watch, logs)
         try:
             exported = _export(wrapper, (batch,), module)
         except CaptureError as error:
             watch.raise_if_frozen(cause=error)  # a frozen value is the likelier root cause
             raise
     watch.raise_if_frozen()
-    return convert(exported, dict(wrapper.named_parameters(remove_duplicate=False)), prefix="module."), watch.step_values()
+    graph = convert(exported, dict(wrapper.named_parameters(remove_duplicate=False)), prefix="module.")
+    return TracedStep(graph, watch.step_values(), list(logs.calls))
+
+
+def loss_only(graph: Graph) -> Graph:
+    """``graph`` (a traced step) with the loss as its only output, without the ops only its logged values needed."""
+    unneeded = needed_ops(graph, graph.outputs) - needed_ops(graph, graph.outputs[:1])
+    graph.outputs = graph.outputs[:1]
+    if unneeded:
+        graph.ops = [op for op in graph.ops if op.name not in unneeded]
+    return graph
+
+
+def needed_ops(graph: Graph, outputs: list[str]) -> set[str]:
+    """Names of the ops that the tensors ``outputs`` depend on."""
+    producers = {output.name: op for op in graph.ops for output in op.outputs}
+    needed: set[str] = set()
+    stack = [name for name in outputs if name in producers]
+    while stack:
+        op = producers[stack.pop()]
+        if op.name not in needed:
+            needed.add(op.name)
+            stack.extend(piece.name for piece in op.tensor_inputs if piece.name in producers)
+    return needed
 
 
 def _export(wrapper: nn.Module, args: tuple[Any, ...], module: nn.Module) -> torch.export.ExportedProgram:
@@ -127,11 +173,19 @@ def flatten_inputs(example_args: Any, *, step: str | None = None) -> list[torch.
 
 @contextlib.contextmanager
 def _silenced_logging(module: nn.Module) -> Iterator[None]:
-    """LightningModule.log needs a Trainer; tracing runs without one, so logging is a no-op here."""
+    """LightningModule.log needs a Trainer; tracing runs without one, so logging is a no-op here
+    (``trace_step`` records the step's calls inside this, with `_logging_to`)."""
+    with _logging_to(module, None):
+        yield
+
+
+@contextlib.contextmanager
+def _logging_to(module: nn.Module, recorder: LogRecorder | None) -> Iterator[None]:
+    """``module.log`` / ``module.log_dict`` go to ``recorder`` (nowhere when None) inside the block."""
     patched = [name for name in ("log", "log_dict") if hasattr(module, name)]
     own = {name: module.__dict__[name] for name in patched if name in module.__dict__}
     for name in patched:
-        setattr(module, name, lambda *args, **kwargs: None)
+        setattr(module, name, getattr(recorder, name) if recorder is not None else (lambda *args, **kwargs: None))
     try:
         yield
     finally:

@@ -17,7 +17,7 @@ import torch
 from lightning_nnscaler.codegen.names import with_safe_names
 from lightning_nnscaler.codegen.segments import boundary_lines, emit_segments, is_boundary
 from lightning_nnscaler.ir.printer import format_argument
-from lightning_nnscaler.materialize.program import Assemble, Collective, Compute, Program, RankProgram, Recv, Send, reads, writes
+from lightning_nnscaler.materialize.program import Assemble, Collective, Compute, Program, RankOutput, RankProgram, Recv, Send, reads, writes
 
 HEADER = '''"""Rank {rank} of {world_size}: plan {plan_hash} ({label}).
 
@@ -76,15 +76,18 @@ def emit_rank(program: Program, rank: int, plan_hash: str, label: str, zero_stag
         if schedule is None:
             raise CodegenError(f"rank {rank}: a pipelined program needs its schedule (the rank's list of F/B/W actions)")
         lines.append("OUTPUTS = [  # (graph output, variable, starts backward, segment)")
-        for output in rank_program.outputs:
+        for output in _loss_outputs(program, rank_program):
             lines.append(f"    ({output.name!r}, {output.var!r}, {output.seed!r}, {output.segment!r}),")
         lines.append("]")
+        lines.extend(_value_tables(program, rank_program, with_segments=True))
         lines.extend(emit_segments(program, rank_program, schedule, _body))
         return "\n".join(lines) + "\n"
     lines.append("OUTPUTS = [  # (graph output, variable, starts backward)")
-    for output in rank_program.outputs:
+    for output in _loss_outputs(program, rank_program):
         lines.append(f"    ({output.name!r}, {output.var!r}, {output.seed!r}),")
-    lines.append("]\n\n")
+    lines.append("]")
+    lines.extend(_value_tables(program, rank_program, with_segments=False))
+    lines.append("\n")
     lines.append("def forward(held, communicator, token):")
     lines.append(f'    """Run rank {rank}\'s part of the step; returns (outputs by graph name, token)."""')
     for local in rank_program.inputs:
@@ -93,6 +96,32 @@ def emit_rank(program: Program, rank: int, plan_hash: str, label: str, zero_stag
     outputs = ", ".join(f"{output.name!r}: {output.var}" for output in rank_program.outputs)
     lines.append(f"    return {{{outputs}}}, token")
     return "\n".join(lines) + "\n"
+
+
+def _loss_outputs(program: Program, rank_program: RankProgram) -> list[RankOutput]:
+    """The rank's pieces of the loss (the graph output backward starts from)."""
+    return [output for output in rank_program.outputs if program.loss is None or output.name == program.loss]
+
+
+def _value_tables(program: Program, rank_program: RankProgram, *, with_segments: bool) -> list[str]:
+    """``VALUES`` (every rank: each other graph output's whole shape) and ``VALUE_PIECES`` (this rank's pieces of
+    them); none when the graph outputs the loss alone. The runtime adds the counted pieces up over the ranks."""
+    shapes = {
+        output.name: output.piece.tensor.shape for each in program.ranks for output in each.outputs
+        if program.loss is not None and output.name != program.loss
+    }
+    if not shapes:
+        return []
+    lines = ["VALUES = {  # graph outputs summed over the ranks after the step (logged values): whole shape"]
+    lines += [f"    {name!r}: {shape!r}," for name, shape in sorted(shapes.items())]
+    lines.append("}")
+    lines.append("VALUE_PIECES = [  # (graph output, variable, box, counted once" + (", segment)" if with_segments else ")"))
+    for output in rank_program.outputs:
+        if output.name in shapes:
+            segment = f", {output.segment!r}" if with_segments else ""
+            lines.append(f"    ({output.name!r}, {output.var!r}, {tuple(output.piece.index.ranges)!r}, {output.seed!r}{segment}),")
+    lines.append("]")
+    return lines
 
 
 def _shape(box: tuple[tuple[int, int], ...]) -> tuple[int, ...]:

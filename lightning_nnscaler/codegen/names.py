@@ -21,7 +21,7 @@ from lightning_nnscaler.materialize.program import Action, Assemble, Collective,
 # Module-level names of a generated file (see emit.HEADER and emit_rank) and forward's parameters.
 MODULE_NAMES = frozenset({
     "torch", "comm", "assemble", "checkpoint", "zeros", "aten", "DEVICE", "RANK", "WORLD_SIZE", "HELD",
-    "GRADIENT_GROUPS", "GROUPS", "ZERO_STAGE", "OUTPUTS", "forward", "held", "communicator", "token",
+    "GRADIENT_GROUPS", "GROUPS", "ZERO_STAGE", "OUTPUTS", "VALUES", "VALUE_PIECES", "forward", "held", "communicator", "token",
     # pipelined plans (codegen.segments)
     "SCHEDULE", "SEGMENTS", "BOUNDARY_IN", "BOUNDARY_OUT", "prologue", "shared", "received",
 })

@@ -110,7 +110,7 @@ class _Builder:
             program.actions.sort(key=_action_order)
             if not self.pipelined:  # segments keep their actions; the prologue already runs first
                 issue_sends_early(program, ordered_ops)
-        return Program(len(self.programs), self.programs, self.gradient_groups())
+        return Program(len(self.programs), self.programs, self.gradient_groups(), self.graph.outputs[0] if self.graph.outputs else None)
 
     # --- graph inputs -------------------------------------------------------------------------
 

@@ -177,6 +177,8 @@ class Program:
     world_size: int
     ranks: list[RankProgram]
     gradient_groups: list[GradientGroup]
+    loss: str | None = None
+    """The graph output backward starts from (the graph's first output); the others are values summed over the ranks."""
 
     @property
     def pipelined(self) -> bool:

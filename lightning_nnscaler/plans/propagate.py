@@ -154,6 +154,21 @@ def propagate(
     return walk
 
 
+def batch_dims(graph: Graph, parts: int) -> dict[str, int]:
+    """Where the batch is, without editing ``graph``: tensor name -> the dim that a split of the user
+    inputs' dim 0 into ``parts`` reaches (as `propagate` would split it), for every tensor it reaches.
+
+    A reached dim has the batch as its outermost factor, so ``parts`` equal blocks of it hold the
+    batch's ``parts`` equal blocks of rows, in order.
+    """
+    dims = {tensor.name: 0 for tensor in graph.user_inputs if tensor.rank >= 1 and tensor.shape[0] % parts == 0}
+    for op in graph.ops:
+        offered = _offered_names(op, dims)
+        if offered and can_split(op, offered[0], parts):
+            _record_outputs(op, offered[0], dims, set())
+    return dims
+
+
 def can_split(op: Op, name: str, parts: int) -> bool:
     """Whether ``op_trans(graph, op, name, parts)`` is allowed: a splittable name that ``parts`` divides."""
     size = _splittable_size(op, name)

@@ -7,6 +7,7 @@ the materialized program; the generated module does the step itself.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Callable
@@ -71,6 +72,8 @@ class RankExecutor:
         self.rank = rank
         self.communicator = communicator
         self.trace_actions = False
+        self.values: dict[str, torch.Tensor] = {}
+        """The last step's ``VALUES`` (graph outputs besides the loss, e.g. logged values), whole, summed over the ranks (float64)."""
         """Pipelined plans: record ``(action, start, end)`` of each action run in ``executed_actions``."""
         self.executed_actions: list[tuple[str, float, float]] = []
         self.device = torch.device(device)
@@ -195,7 +198,8 @@ class RankExecutor:
         with torch.set_grad_enabled(backward):
             outputs, token = self.module.forward(held, self.communicator, token)
         seeds = [outputs[name] for name, _, seed in self.module.OUTPUTS if seed]
-        whole_loss = self._start_loss_sum(seeds)
+        values = [(name, box, outputs[name]) for name, _, box, counted in getattr(self.module, "VALUE_PIECES", ()) if counted]
+        whole_loss = self._start_loss_sum(seeds, values)
         if backward:
             self.reducer.before_backward(reduce_gradients)
             seeds = [seed for seed in seeds if seed.requires_grad]
@@ -222,13 +226,44 @@ class RankExecutor:
         self.communicator.wait_sends()
         if backward:
             self.reducer.after_backward()
-        return self._start_loss_sum(seeds).wait()  # after every bucket: the same collective order on every rank
+        return self._start_loss_sum(seeds, run.values).wait()  # after every bucket: the same collective order on every rank
 
-    def _start_loss_sum(self, seeds: list[torch.Tensor]) -> AsyncHandle:
-        """Start summing every rank's seeded (value-part or whole) scalar loss pieces; ``.wait()`` gives the loss."""
+    def _start_loss_sum(self, seeds: list[torch.Tensor], values: list[tuple[str, Box, torch.Tensor]] = ()) -> AsyncHandle:
+        """Start summing every rank's seeded (value-part or whole) scalar loss pieces; ``.wait()`` gives the loss.
+
+        With ``VALUES`` (graph outputs besides the loss: logged values), their counted pieces ``values``
+        are summed in the same collective (in float64); ``.wait()`` also sets ``self.values``.
+        """
         local = sum((seed.detach().reshape(()) for seed in seeds if seed.numel() == 1), torch.zeros((), device=self.device))
-        # Started before any gradient bucket, on every rank: the async sums pair up (see runtime.comm).
-        return self.communicator.all_reduce_async(local, tuple(range(self.communicator.world_size)))
+        ranks = tuple(range(self.communicator.world_size))
+        shapes: dict[str, tuple[int, ...]] = getattr(self.module, "VALUES", {})
+        if not shapes:
+            # Started before any gradient bucket, on every rank: the async sums pair up (see runtime.comm).
+            return self.communicator.all_reduce_async(local, ranks)
+        wholes = {name: torch.zeros(shape, dtype=torch.float64, device=self.device) for name, shape in shapes.items()}
+        for name, box, piece in values:
+            wholes[name][region(box)] += piece.detach().to(torch.float64)
+        flat = torch.cat([local.detach().to(torch.float64).reshape(1)] + [whole.reshape(-1) for whole in wholes.values()])
+        return _SplitSums(self.communicator.all_reduce_async(flat, ranks), local.dtype, shapes, self)
+
+
+class _SplitSums:
+    """The loss-and-values sum in flight: ``wait()`` gives the loss and sets the executor's ``values``."""
+
+    def __init__(self, handle: AsyncHandle, loss_dtype: torch.dtype, shapes: dict[str, tuple[int, ...]], executor: RankExecutor) -> None:
+        self.handle, self.loss_dtype, self.shapes, self.executor = handle, loss_dtype, shapes, executor
+
+    def wait(self) -> torch.Tensor:
+        """The whole loss (the values land in ``executor.values``)."""
+        flat = self.handle.wait()
+        offset = 1
+        values = {}
+        for name, shape in self.shapes.items():
+            count = math.prod(shape)
+            values[name] = flat[offset : offset + count].reshape(shape)
+            offset += count
+        self.executor.values = values
+        return flat[0].to(self.loss_dtype)
 
 
 def _piece(location: PieceLocation, role: str, source: torch.Tensor, device: torch.device) -> Shard:

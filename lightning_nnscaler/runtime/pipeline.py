@@ -31,6 +31,7 @@ from types import ModuleType
 
 import torch
 
+from lightning_nnscaler.ir.op import PROLOGUE
 from lightning_nnscaler.runtime.autograd_comm import BACKWARD_TAG_OFFSET
 from lightning_nnscaler.runtime.comm import Communicator
 
@@ -72,6 +73,8 @@ class PipelineRun:
     local_gradients: dict[int, torch.Tensor] = field(default_factory=dict)
     shared: dict[str, torch.Tensor] = field(default_factory=dict)
     seeds: list[torch.Tensor] = field(default_factory=list)
+    values: list[tuple[str, tuple, torch.Tensor]] = field(default_factory=list)
+    """Counted pieces of the graph outputs besides the loss (``VALUE_PIECES``): ``(graph output, box, value)``."""
     with_backward: set[tuple[int, int]] = field(default_factory=set)
     executed: list[tuple[str, float, float]] = field(default_factory=list)
     """``(action, start, end)`` in ``time.perf_counter`` seconds, for each action run (when ``trace``)."""
@@ -95,6 +98,10 @@ class PipelineRun:
 
         with torch.no_grad():
             self.shared, _ = self.module.prologue(self.held, self.communicator, torch.zeros((), device=self.device))
+        self.values = [
+            (name, box, self.shared[var]) for name, var, box, counted, segment in getattr(self.module, "VALUE_PIECES", ())
+            if counted and tuple(segment) == PROLOGUE
+        ]
         actions = self.actions(backward)
         self.with_backward = {(stage, microbatch) for kind, stage, microbatch in actions if kind != "F"}
         accumulating = "W" if any(kind == "W" for kind, _, _ in actions) else "B"
@@ -136,6 +143,10 @@ class PipelineRun:
                 self.communicator.send(sent[tag], dst, tag)
         seeds = [outputs[name] for name, _, seed, seed_segment in self.module.OUTPUTS if seed and tuple(seed_segment) == segment]
         self.seeds += [seed.detach() for seed in seeds]
+        self.values += [
+            (name, box, outputs[name].detach()) for name, _, box, counted, value_segment in getattr(self.module, "VALUE_PIECES", ())
+            if counted and tuple(value_segment) == segment
+        ]
         if backward:
             self.stash[segment] = _Stash(received, sent, seeds, token)
 

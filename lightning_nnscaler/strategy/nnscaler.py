@@ -82,7 +82,7 @@ from lightning_nnscaler.strategy.checkpoint import (
 from lightning_nnscaler.strategy.gradients import (
     GradientStash, clip_grad_norm, gradient_holders, move_param_groups, piece_locations, replica_counts,
 )
-from lightning_nnscaler.strategy.plan_logging import log_plan, record_loss_logs
+from lightning_nnscaler.strategy.plan_logging import log_plan
 from lightning_nnscaler.plans.layout import RecipeLayout
 from lightning_nnscaler.strategy.planning import (
     batch_signature, check_fits, check_new_signature, check_recipe, check_supported, graph_inputs, plan_training_step, share_pieces,
@@ -145,7 +145,6 @@ class NnScalerStrategy(ParallelStrategy):
         self.executor: Optional[RankExecutor] = None
         self._gradient_stash: Optional[GradientStash] = None
         self._replicas: dict[int, int] = {}
-        self._loss_logs: list[tuple[str, dict[str, Any]]] = []
         self._group_keys: list[list[list[str]]] = []
         self._locations: dict[int, PieceLocation] = {}
         self._module_is_stale = False
@@ -322,7 +321,6 @@ class NnScalerStrategy(ParallelStrategy):
         self._locations = piece_locations(self.executor)
         self._gradient_stash = GradientStash(gradient_holders(self.executor))
         self._replicas = replica_counts(self.executor)
-        self._loss_logs = record_loss_logs(module, batch, batch_idx)
         log_plan(module.loggers, plan)  # rank 0: recipe, parameters, plan hash, memory estimate, code
 
     # --- training --------------------------------------------------------------------------------
@@ -352,8 +350,10 @@ class NnScalerStrategy(ParallelStrategy):
             loss = self._gradient_stash.run_step(
                 lambda: self.executor.forward_backward(inputs, loss_scale=scale, reduce_gradients=reduce), zero_grad_follows=first_of_window
             )
-        for name, log_kwargs in self._loss_logs:
-            self.lightning_module.log(name, loss, **log_kwargs)
+        if self.plan.logged is not None:  # what training_step logs, this rank's replica's values (as under DDP)
+            replica = self.plan.data_layout.replica(self.global_rank)
+            for name, value, options in self.plan.logged.logs(self.executor.values, replica):
+                self.lightning_module.log(name, value, **options)
         return loss
 
     @override

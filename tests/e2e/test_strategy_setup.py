@@ -114,10 +114,19 @@ def test_what_cannot_run_raises_naming_the_fix(one_rank_group: None, model_class
 
 
 @pytest.mark.timeout(120)
-def test_logged_values_other_than_the_loss_are_reported(one_rank_group: None) -> None:
-    with pytest.warns(UserWarning, match=r"logs 'train_accuracy', which NnScalerStrategy does not compute"):
-        trainer = _fit_one_device(LogsAccuracy(_config()))
-    assert "train_accuracy" not in trainer.callback_metrics
+def test_logged_values_other_than_the_loss_are_computed_by_the_plan(one_rank_group: None) -> None:
+    torch.manual_seed(0)
+    trainer = _fit_one_device(LogsAccuracy(_config()))
+    torch.manual_seed(0)
+    model = LogsAccuracy(_config())
+    train = torch.utils.data.DataLoader(TokenDataset(GLOBAL_BATCH * 2, seed=1), batch_size=GLOBAL_BATCH, drop_last=True)
+    eager = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    eager.fit(model, train)
+    expected = float(eager.callback_metrics["train_accuracy"])
+    assert float(trainer.callback_metrics["train_accuracy"]) == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.timeout(240)
