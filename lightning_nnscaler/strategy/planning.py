@@ -21,12 +21,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_nnscaler.capture import CaptureError, flatten_inputs
 from lightning_nnscaler.codegen import CodegenError
 from lightning_nnscaler.ir.validate import PlanError
-from lightning_nnscaler.materialize.dependencies import MaterializeError
 from lightning_nnscaler.parallelize import Plan, parallelize
 from lightning_nnscaler.plans.catalog import RecipeError, load_recipe
 from lightning_nnscaler.plans.layout import RecipeLayout
 from lightning_nnscaler.runtime.executor import RankExecutor
-from lightning_nnscaler.schedules.validate import ScheduleError
 
 MAX_PLANS = 8  # distinct batch shapes per fit: each costs a trace and a plan (seconds) and a module
 
@@ -101,9 +99,9 @@ def breaks_recipe_constraints(error: Exception) -> bool:
     """Whether planning failed because the recipe, its parameters, the batch or the devices do not fit the
     model (so the recipe's constraints are the hint), not for a capture error (which says its own fix) or an
     internal failure such as code generation."""
-    if isinstance(error, (CaptureError, CodegenError, MaterializeError)):
+    if isinstance(error, (CaptureError, CodegenError)):
         return False
-    return isinstance(error, (RecipeError, PlanError, ScheduleError)) or type(error) is ValueError
+    return isinstance(error, (RecipeError, PlanError)) or type(error) is ValueError
 
 
 def check_supported(
