@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 from lightning_nnscaler.codegen.names import with_safe_names
+from lightning_nnscaler.codegen.recompute import block_lines, recompute_blocks
 from lightning_nnscaler.codegen.segments import boundary_lines, emit_segments, is_boundary
 from lightning_nnscaler.ir.printer import format_argument
-from lightning_nnscaler.materialize.program import Assemble, Collective, Compute, Program, RankOutput, RankProgram, Recv, Send, reads, writes
+from lightning_nnscaler.materialize.program import Assemble, Collective, Compute, Program, RankOutput, RankProgram, Recv, Send
 
 HEADER = '''"""Rank {rank} of {world_size}: plan {plan_hash} ({label}).
 
@@ -36,7 +37,7 @@ DEVICE = torch.device("cpu")  # the loader sets the rank's device
 
 
 class CodegenError(ValueError):
-    """The program cannot be written as code (e.g. a recompute group that is not contiguous)."""
+    """The program cannot be written as code (e.g. a pipelined program without its schedule)."""
 
 
 @dataclass(frozen=True)
@@ -130,17 +131,12 @@ def _shape(box: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
 
 def _body(program: RankProgram) -> list[str]:
     lines: list[str] = []
-    groups = _recompute_groups(program)
-    grouped = _grouped_assembles(program)
-    emitted_groups: set[int] = set()
+    blocks = recompute_blocks(program)
     for index, action in enumerate(program.actions):
-        group = action.op.recompute if isinstance(action, Compute) else None
-        if group is not None:
-            if group in emitted_groups or index != groups[group][-1]:
-                continue
-            lines.extend(_recompute_block(program, groups[group], group))
-            emitted_groups.add(group)
-        elif index not in grouped:
+        if index in blocks.block_of:
+            if blocks.last(index):
+                lines.extend(block_lines(program, blocks, blocks.block_of[index], _action_lines))
+        elif index not in blocks.moved_assembles:
             lines.extend(_action_lines(action))
     return lines
 
@@ -214,64 +210,3 @@ def _codegen_leaf(value: Any) -> str | None:
     if isinstance(value, float) and not math.isfinite(value):
         return f"float('{value}')"
     return None
-
-
-# --- recompute groups: one checkpointed function per group --------------------------------------
-
-
-def _recompute_groups(program: RankProgram) -> dict[int, list[int]]:
-    groups: dict[int, list[int]] = {}
-    for index, action in enumerate(program.actions):
-        if isinstance(action, Compute) and action.op.recompute is not None:
-            groups.setdefault(action.op.recompute, []).append(index)
-    for group, members in groups.items():
-        outputs = {var for index in members for var in program.actions[index].output_vars}
-        for index in range(members[0], members[-1]):
-            action = program.actions[index]
-            if index in members or not isinstance(action, (Compute, Send, Assemble, Collective)):
-                continue
-            if outputs & set(reads(action)):
-                raise CodegenError(f"recompute group {group} on rank {program.rank} is not contiguous: {_describe(action)} reads its output before the group ends")
-    return groups
-
-
-def _grouped_assembles(program: RankProgram) -> set[int]:
-    """Local slices read only inside one recompute group move into it."""
-    readers: dict[str, set[int | None]] = {}
-    for action in program.actions:
-        group = action.op.recompute if isinstance(action, Compute) else None
-        for var in reads(action):
-            readers.setdefault(var, set()).add(group)
-    return {
-        index for index, action in enumerate(program.actions)
-        if isinstance(action, Assemble) and len(readers.get(action.var, set())) == 1 and None not in readers[action.var]
-    }
-
-
-def _recompute_block(program: RankProgram, members: list[int], group: int) -> list[str]:
-    inner = [index for index in _grouped_assembles(program) if _group_of_reader(program, program.actions[index].var) == group] + members
-    inner.sort()
-    defined = {var for index in inner for var in writes(program.actions[index])}
-    outside_reads = [var for index in inner for var in reads(program.actions[index]) if var not in defined]
-    arguments = list(dict.fromkeys(outside_reads))
-    later_reads = {var for index, action in enumerate(program.actions) if index not in inner for var in reads(action)}
-    results = [var for index in members for var in program.actions[index].output_vars if var in later_reads or var in {o.var for o in program.outputs}]
-    function = f"recompute_{group}"
-    lines = [f"def {function}({', '.join(arguments)}):  # activations recomputed in backward"]
-    lines += ["    " + line for index in inner for line in _action_lines(program.actions[index])]
-    lines.append(f"    return ({', '.join(results)}{',' if len(results) == 1 else ''})")
-    targets = ", ".join(results) + ("," if len(results) == 1 else "")
-    lines.append(f"{targets} = checkpoint({function}, {', '.join(arguments)})")
-    return lines
-
-
-def _group_of_reader(program: RankProgram, var: str) -> int | None:
-    for action in program.actions:
-        if isinstance(action, Compute) and var in action.input_vars:
-            return action.op.recompute
-    return None
-
-
-def _describe(action: Any) -> str:
-    return action.op.name if isinstance(action, Compute) else type(action).__name__.lower()
-

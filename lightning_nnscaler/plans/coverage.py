@@ -37,6 +37,7 @@ from lightning_nnscaler.plans.propagate import Refusal
 
 ATTENTION = "aten.scaled_dot_product_attention.default"
 _DIM_MEANINGS = {("aten.linear.default", "n"): "out features", ("aten.linear.default", "k"): "in features"}
+_PACKED_QKV = "q, k, v packed in one in_proj weight, as in nn.MultiheadAttention: a split by heads would mix them"
 _SEARCH_DEPTH = 6  # ops between a refused op and its attention (q_proj -> view -> transpose -> attention)
 _MAX_MODULES = 4  # modules named per line before "and N more"
 
@@ -134,6 +135,12 @@ def check_coverage(
     if allow_partial:
         warnings.warn(report.summary() + ".", PartialPlanWarning, stacklevel=3)
         return report
+    if all(_Neighbours(original).packs_qkv(refusal) for refusal in unique):
+        raise RecipeError(
+            f"{report.summary()}.\nTo fix: give the attention separate q, k and v linears (as "
+            "lightning_nnscaler.models.gpt does), or pass allow_partial=True to keep these attention modules whole "
+            "(replicated) and split the rest (a PartialPlanWarning then says how much of the model was split)."
+        )
     raise RecipeError(
         f"{report.summary()}.\nTo fix: choose world_size and the recipe's parameters so that its parts (now "
         f"{_and(parts)}) divide {_and(sizes)}; or pass allow_partial=True to accept this weaker plan "
@@ -176,7 +183,7 @@ def _describe(original: Graph, refusals: Sequence[Refusal]) -> tuple[list[str], 
         heads = neighbours.heads_near([neighbours.ops[refusal.op] for _, refusal in members if refusal.op in neighbours.ops])
         by_dim: dict[tuple[str, int, int], list[str]] = defaultdict(list)
         for label, refusal in members:
-            meaning = _DIM_MEANINGS.get((refusal.target, refusal.dim))
+            meaning = _PACKED_QKV if neighbours.packs_qkv(refusal) else _DIM_MEANINGS.get((refusal.target, refusal.dim))
             key = (f"{refusal.dim!r}" + (f" ({meaning})" if meaning else ""), refusal.size, refusal.parts)
             if label not in by_dim[key]:
                 by_dim[key].append(label)
@@ -204,6 +211,14 @@ class _Neighbours:
         for op in graph.ops:
             for piece in op.tensor_inputs:
                 self.consumers[piece.name].append(op)
+
+    def packs_qkv(self, refusal: Refusal) -> bool:
+        """Whether ``refusal`` is the unflatten of a packed q/k/v projection into its 3 parts (nn.MultiheadAttention's in_proj)."""
+        op = self.ops.get(refusal.op)
+        if op is None or refusal.target != "aten.unflatten.int" or refusal.size != 3 or not op.tensor_inputs:
+            return False
+        producer = self.producers.get(op.tensor_inputs[0].name)
+        return producer is not None and producer.target == "aten.linear.default"
 
     def unit_and_label(self, op: Op) -> tuple[str, str]:
         """The module the op belongs to (``blocks.0.attn``) and its label there (``q_proj``).

@@ -82,6 +82,8 @@ class Walk:
     """The ops a walk visited, in graph order, each with its pieces (``None``: left whole)."""
 
     steps: list[tuple[Op, list[Op] | None]] = field(default_factory=list)
+    feeds: list[tuple[int, ...]] = field(default_factory=list)
+    """Per step, the earlier steps whose split outputs it reads (empty where its split starts afresh)."""
     refused: list[Refusal] = field(default_factory=list)
     """Ops left whole although ``choose`` picked a name for them, because ``parts`` does not divide it."""
 
@@ -96,14 +98,36 @@ class Walk:
         return [op for op, pieces in self.steps if pieces is None]
 
     def runs(self) -> list[list[list[Op]]]:
-        """Stretches of consecutively split ops (an attention block, an MLP), cut by whole ops."""
-        runs: list[list[list[Op]]] = [[]]
-        for _, pieces in self.steps:
+        """Stretches of split ops that one split flows through (an attention block, an MLP), in graph order.
+
+        A whole op cuts a stretch; so does a split that starts afresh, reading no split the stretch
+        made (the second of two MLPs in a row: its column split follows the first one's row split,
+        whose partial sums are reduced in between).
+        """
+        stretch_of: dict[int, int] = {}
+        runs: list[list[int]] = []
+        open_from = 0  # stretches before this index were cut by a whole op
+        for index, (_, pieces) in enumerate(self.steps):
             if pieces is None:
+                open_from = len(runs)
+                continue
+            joined = sorted({stretch_of[feed] for feed in self._feeds(index) if stretch_of.get(feed, -1) >= open_from})
+            if not joined:
                 runs.append([])
+                target = len(runs) - 1
             else:
-                runs[-1].append(pieces)
-        return [run for run in runs if run]
+                target = joined[0]
+                for other in joined[1:]:  # a join (attention reading q, k and v) merges stretches
+                    runs[target].extend(runs[other])
+                    for member in runs[other]:
+                        stretch_of[member] = target
+                    runs[other] = []
+            runs[target].append(index)
+            stretch_of[index] = target
+        return [[self.steps[index][1] for index in sorted(run)] for run in runs if run]  # type: ignore[misc]
+
+    def _feeds(self, index: int) -> tuple[int, ...]:
+        return self.feeds[index] if index < len(self.feeds) else ()
 
 
 def propagate(
@@ -134,13 +158,17 @@ def propagate(
     index_splits = dict(seeds or {})  # tensor name -> dim cut into `parts`
     value_splits: set[str] = set()  # tensors held as `parts` partial sums
     walk = Walk()
+    producer: dict[str, int] = {}  # split tensor name -> the step that split it
     for name in list(ops) if ops is not None else [op.name for op in graph.ops]:
         op = graph.op(name)
         chosen = choose(op, _offered_names(op, index_splits)) if parts > 1 else None
+        followed: list[str] = []  # inputs already split the way this op is
         if chosen is not None and can_split(op, chosen, parts):
+            followed = _inputs_following(op, chosen, index_splits)
             pieces = op_trans(graph, op, chosen, parts)
             _record_outputs(op, chosen, index_splits, value_splits)
         elif through_value and parts > 1 and _reads_value_split(op, value_splits):
+            followed = [piece.name for piece in op.tensor_inputs if piece.name in value_splits]
             pieces = op_trans(graph, op, "value", parts)
             value_splits.update(output.name for output in op.outputs)
         else:
@@ -148,6 +176,9 @@ def propagate(
             refused = None if chosen is None else refusal(op, chosen, parts)
             if refused is not None:
                 walk.refused.append(refused)
+        walk.feeds.append(tuple(sorted({producer[tensor] for tensor in followed if tensor in producer})))
+        if pieces is not None:
+            producer.update((output.name, len(walk.steps)) for output in op.outputs)
         walk.steps.append((op, pieces))
     for recorder in _RECORDERS.get():
         recorder.extend(walk.refused)
@@ -227,6 +258,19 @@ def _offered_names(op: Op, index_splits: dict[str, int]) -> list[str]:
         if names and names[0] in splittable and names[0] not in offered:
             offered.append(names[0])
     return offered
+
+
+def _inputs_following(op: Op, name: str, index_splits: dict[str, int]) -> list[str]:
+    """The inputs of ``op`` that already arrive split by ``name``, the split ``op`` takes (no communication between)."""
+    annotation = op.dims
+    if annotation is None:
+        return []
+    following: list[str] = []
+    for position, piece in enumerate(op.tensor_inputs):
+        dim = index_splits.get(piece.name)
+        if dim is not None and position < len(annotation.inputs) and annotation.inputs[position][dim].names[:1] == (name,):
+            following.append(piece.name)
+    return following
 
 
 def _record_outputs(op: Op, name: str, index_splits: dict[str, int], value_splits: set[str]) -> None:

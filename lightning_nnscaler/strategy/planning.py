@@ -19,6 +19,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_nnscaler.capture import CaptureError, flatten_inputs
+from lightning_nnscaler.codegen import CodegenError
+from lightning_nnscaler.ir.validate import PlanError
 from lightning_nnscaler.parallelize import Plan, parallelize
 from lightning_nnscaler.plans.catalog import RecipeError, load_recipe
 from lightning_nnscaler.plans.layout import RecipeLayout
@@ -75,10 +77,10 @@ def plan_training_step(
             progress=rank_zero_info, **params,
         )
     except Exception as error:  # noqa: BLE001 - every planning failure gets the recipe and the fix
-        hint = "" if isinstance(error, CaptureError) else (  # a capture error says its own fix
+        hint = (
             "\nCheck the recipe's constraints (`lightning_nnscaler.list_recipes()`), the DataLoader's batch_size "
             "(per data-parallel replica) and `devices`."
-        )
+        ) if breaks_recipe_constraints(error) else ""
         raise MisconfigurationException(
             f"NnScalerStrategy could not plan {type(module).__name__}.training_step with recipe {recipe!r} {params} on "
             f"{world_size} ranks: {error}{hint}"
@@ -91,6 +93,15 @@ def plan_training_step(
             "data on every rank."
         )
     return plan
+
+
+def breaks_recipe_constraints(error: Exception) -> bool:
+    """Whether planning failed because the recipe, its parameters, the batch or the devices do not fit the
+    model (so the recipe's constraints are the hint), not for a capture error (which says its own fix) or an
+    internal failure such as code generation."""
+    if isinstance(error, (CaptureError, CodegenError)):
+        return False
+    return isinstance(error, (RecipeError, PlanError)) or type(error) is ValueError
 
 
 def check_supported(
