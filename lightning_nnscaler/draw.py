@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_nnscaler.explain import MEMORY_KEYS
 from lightning_nnscaler.ir.tensor import dtype_bytes
 from lightning_nnscaler.materialize.program import Collective, Compute, Program, Recv, Send
 
@@ -34,8 +35,8 @@ MATMUL_TARGETS = ("linear", "mm", "matmul", "bmm", "addmm", "baddbmm", "einsum",
 """Op targets costed as 2·(output elements)·(contracted size)."""
 COLORS = {"compute": "#4c72b0", "backward": "#64b5cd", "communication": "#dd8452", "idle": "#d9d9d9"}
 """Span kinds; "backward" (B and W of a pipeline schedule) only in pipelined plans, whose forward is "compute"."""
-MEMORY_KINDS = ("parameters", "gradients", "optimizer", "activations")
-MEMORY_COLORS = ("#4c72b0", "#55a868", "#c44e52", "#8172b2")
+MEMORY_KINDS = MEMORY_KEYS
+MEMORY_COLORS = ("#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974")
 
 
 @dataclass(frozen=True)
@@ -177,12 +178,12 @@ def pipeline_timeline(plan: Plan) -> list[list[Span]]:
 
 
 def memory_rows(plan: Plan) -> list[dict[str, int]]:
-    """``Plan.memory_rows()``: every rank's bytes of parameters, gradients, optimizer, activations, communication."""
+    """``Plan.memory_rows()``: every rank's row of ``explain.ROW_KEYS`` (bytes held, and sent per step)."""
     return plan.memory_rows()
 
 
 def draw_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
-    """Write ``path`` (PNG): per-rank memory bars (parameters, gradients, optimizer, activations) on the
+    """Write ``path`` (PNG): per-rank memory bars (``explain.MEMORY_KEYS``: the columns of ``Plan.explain``) on the
     left, the per-rank action timeline (compute / communication / idle) on the right. Returns the path."""
     import matplotlib
 

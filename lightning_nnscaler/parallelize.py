@@ -8,7 +8,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,13 +20,14 @@ from lightning_nnscaler.capture.step_values import StepValues
 from lightning_nnscaler.capture.trace import TracedStep, trace_step
 from lightning_nnscaler.codegen import emit_rank, module_from_source, save_sources
 from lightning_nnscaler.codegen.load import digest
+from lightning_nnscaler.explain import explain_rank, explain_table
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import PROLOGUE
 from lightning_nnscaler.ir.tensor import dtype_bytes
 from lightning_nnscaler.ir.validate import PlanError
 from lightning_nnscaler.logged_values import LoggedValues, plan_logged_values
 from lightning_nnscaler.materialize.dependencies import materialize
-from lightning_nnscaler.materialize.program import Collective, Compute, Program, Recv, Send
+from lightning_nnscaler.materialize.program import Compute, Program, Recv, Send
 from lightning_nnscaler.plans.context import PipelinePlan
 from lightning_nnscaler.plans.layout import RecipeLayout, single_replica
 from lightning_nnscaler.runtime.comm import Communicator
@@ -149,8 +150,14 @@ class Plan:
         return {tensor.name: replica * (tensor.shape[0] // layout.data_parallel) for tensor in self.graph.user_inputs if tensor.shape}
 
     def memory_rows(self) -> list[dict[str, int]]:
-        """Per rank, ``explain_rank``: bytes of parameters, gradients, optimizer state, activations and communication."""
-        return [explain_rank(self.program, rank, self.pipeline) for rank in range(self.world_size)]
+        """Per rank, ``explain_rank``: bytes of parameters, gradients, optimizer state (Adam assumed),
+        activations and ZeRO's transient full-size tensors, and bytes sent per step (all, and the
+        gradient reduction's part). ``explain()``, ``draw()`` and the strategy's logged plan all show these rows."""
+        element_bytes = {tensor.name: dtype_bytes(tensor.dtype) for tensor in self.graph.parameters}
+        return [
+            explain_rank(self.program, rank, self.pipeline, zero_stage=self.zero_stage, element_bytes=element_bytes)
+            for rank in range(self.world_size)
+        ]
 
     def draw(self, path: str | os.PathLike[str]) -> Path:
         """Write the plan picture to ``path`` (PNG): per-rank memory bars and the per-rank timeline of one
@@ -160,12 +167,12 @@ class Plan:
         return draw_plan(self, path)
 
     def explain(self) -> str:
-        """Per-rank parameter, gradient, optimizer (AdamW) and activation bytes, and communication per step."""
-        rows = self.memory_rows()
-        header = f"{'rank':>4} {'params':>12} {'grads':>12} {'optimizer':>12} {'activations':>12} {'comm/step':>12}"
-        lines = [f"plan {self.plan_hash[:12]}: recipe {self.recipe} {self.params} on {self.world_size} ranks", header]
-        for rank, row in enumerate(rows):
-            lines.append(f"{rank:>4} " + " ".join(f"{_human(row[key]):>12}" for key in ("parameters", "gradients", "optimizer", "activations", "communication")))
+        """The ``memory_rows`` as a table: per rank, parameter, gradient, optimizer (Adam assumed),
+        activation and transient bytes, and bytes sent per step; footnotes state the assumptions."""
+        title = f"plan {self.plan_hash[:12]}: recipe {self.recipe} {self.params} on {self.world_size} ranks" + (
+            f", ZeRO stage {self.zero_stage}" if self.zero_stage else ""
+        )
+        lines = [explain_table(title, self.memory_rows())]
         if self.pipeline is not None:
             lines += ["", explain_pipeline(self.pipeline)]
         return "\n".join(lines)
@@ -186,50 +193,6 @@ def explain_pipeline(pipeline: PipelinePlan) -> str:
         f"(symbolic run, F=1 B=2{' W=1, B split' if schedule.splits_backward else ''}); (p-1)/({'v·' if virtual > 1 else ''}m+p-1) = {formula:.1%}"
     )
     return header + "\n" + grid(schedule, timeline)
-
-
-def explain_rank(program: Program, rank: int, pipeline: PipelinePlan | None = None) -> dict[str, int]:
-    """Bytes this rank holds and moves per step (forward and backward).
-
-    Activations are the outputs kept for backward; under a ``pipeline``, the most that its schedule
-    keeps at once (each segment's from its F to its last backward half).
-    """
-    rank_program = program.ranks[rank]
-    parameters = sum(math.prod(b - a for a, b in local.box) * 4 for local in rank_program.inputs if local.role == "parameter")
-    activations = 0
-    communication = 0
-    kept: dict[object, int] = {}
-    for action in rank_program.actions:
-        if isinstance(action, Compute) and action.op.recompute is None and not action.op.no_grad:
-            kept[action.segment] = kept.get(action.segment, 0) + sum(math.prod(output.shape) * dtype_bytes(output.tensor.dtype) for output in action.op.outputs)
-        elif isinstance(action, Recv):
-            communication += 2 * math.prod(action.shape) * dtype_bytes(action.dtype)  # forward + gradient back
-        elif isinstance(action, Collective):
-            communication += 2 * action.bytes_per_device  # the backward is the adjoint collective
-    activations = sum(kept.values()) if pipeline is None else _peak_kept(kept, pipeline.actions(rank))
-    return {"parameters": parameters, "gradients": parameters, "optimizer": 2 * parameters, "activations": activations, "communication": communication}
-
-
-def _peak_kept(kept: dict[object, int], actions: Sequence[Any]) -> int:
-    """The most activation bytes alive at once when ``actions`` run in order (freed at the last backward half)."""
-    release = "W" if any(action.kind.value == "W" for action in actions) else "B"
-    alive = peak = 0
-    for action in actions:
-        segment = (action.stage, action.microbatch)
-        if action.kind.value == "F":
-            alive += kept.get(segment, 0)
-        elif action.kind.value == release:
-            alive -= kept.get(segment, 0)
-        peak = max(peak, alive)
-    return peak
-
-
-def _human(count: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if count < 1024:
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} PiB"
 
 
 def parallelize(

@@ -154,12 +154,13 @@ def _draw(plan: Any, run_dir: Path, logger: Any) -> Path | None:
     from lightning.pytorch.loggers import WandbLogger
 
     from lightning_nnscaler.draw import draw_plan, memory_rows
+    from lightning_nnscaler.explain import ROW_KEYS
 
     picture = draw_plan(plan, run_dir / PLAN_PICTURE)
     if isinstance(logger, WandbLogger):
         logger.log_image(key="plan", images=[str(picture)], caption=[f"recipe {plan.recipe} on {plan.world_size} ranks"])
-        columns = ["rank", "parameters", "gradients", "optimizer", "activations", "communication"]
-        rows = [[rank, *(row[key] for key in columns[1:])] for rank, row in enumerate(memory_rows(plan))]
+        columns = ["rank", *ROW_KEYS]
+        rows = [[rank, *(row[key] for key in ROW_KEYS)] for rank, row in enumerate(memory_rows(plan))]
         logger.log_table(key="plan_memory_bytes", columns=columns, data=rows)
     return picture
 

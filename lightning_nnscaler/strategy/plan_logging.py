@@ -2,8 +2,8 @@
 plan itself: ``lightning_nnscaler.logged_values``).
 
 **The plan** (``log_plan``, once per fit, when the first batch was planned): every logger's
-``log_hyperparams`` gets the plan summary (recipe and parameters, world size, plan hash, per-rank
-memory estimate); a ``WandbLogger`` also gets it in the run summary, with the generated per-rank
+``log_hyperparams`` gets the plan summary (recipe and parameters, world size, plan hash, and per
+rank the very rows ``Plan.explain`` prints: memory estimate and bytes sent per step); a ``WandbLogger`` also gets it in the run summary, with the generated per-rank
 code saved among the run's files.
 """
 
@@ -16,7 +16,8 @@ from typing import Any
 from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lightning_nnscaler.parallelize import Plan, explain_rank
+from lightning_nnscaler.explain import COMMUNICATION_CONVENTION, MEMORY_KEYS, OPTIMIZER_ASSUMPTION, TRANSIENT_NOTE
+from lightning_nnscaler.parallelize import Plan
 
 PLAN_KEY = "nnscaler"
 """The hyperparameter (and W&B config) key that holds the plan summary."""
@@ -26,13 +27,11 @@ CODE_FOLDER = "nnscaler_code"
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
     """The plan as loggers take it: recipe and parameters, world size, plan hash, ZeRO stage and, per
-    rank, the bytes ``Plan.explain`` estimates (parameters, gradients, AdamW state, activations,
-    their total, and communication per step)."""
+    rank, ``Plan.memory_rows`` (the rows ``Plan.explain`` prints) as ``<key>_bytes``, with
+    ``total_bytes`` their memory's sum; ``notes`` says what the optimizer and communication figures assume."""
     memory = {}
-    for rank in range(plan.world_size):
-        row = explain_rank(plan.program, rank, plan.pipeline)
-        held = row["parameters"] + row["gradients"] + row["optimizer"] + row["activations"]
-        memory[f"rank{rank}"] = {**{f"{key}_bytes": value for key, value in row.items()}, "total_bytes": held}
+    for rank, row in enumerate(plan.memory_rows()):
+        memory[f"rank{rank}"] = {**{f"{key}_bytes": value for key, value in row.items()}, "total_bytes": sum(row[key] for key in MEMORY_KEYS)}
     return {
         "recipe": plan.recipe,
         "recipe_params": dict(plan.params),
@@ -40,6 +39,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         "plan_hash": plan.plan_hash,
         "zero_stage": plan.zero_stage,
         "memory": memory,
+        "notes": {"optimizer": OPTIMIZER_ASSUMPTION, "transient": TRANSIENT_NOTE, "communication": COMMUNICATION_CONVENTION},
     }
 
 

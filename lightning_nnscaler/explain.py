@@ -1,0 +1,180 @@
+"""What each rank of a plan holds and sends per step: the rows of ``Plan.explain`` and of the logged plan.
+
+Memory is what the runtime allocates (``runtime.executor`` and ``runtime.reducer``), per ZeRO stage:
+
+==================  ============================  ===============================  ==========================
+bytes per rank      stage 0 (dp)                  stage 1 (zero1)                  stage 3 (zero3)
+==================  ============================  ===============================  ==========================
+parameters          every box it holds            boxes + its chunk of each        its chunks (boxes freed)
+                                                  replicated box
+gradients           2 bucket buffers per          its chunks' gradients            its chunks' gradients
+                    replicated box, 1× the rest
+optimizer           2 × what it steps: boxes      2 × (its chunks + unreplicated   same as stage 1
+                                                  boxes)
+transient           0                             replicated boxes' full           replicated boxes (gathered
+                                                  gradients, before their          before forward) and their
+                                                  reduce-scatter                   full gradients
+==================  ============================  ===============================  ==========================
+
+A chunk is ``ceil(numel / p)`` elements of a box replicated on ``p`` ranks (the reducer pads the
+last one). A box held by one rank keeps a plain ``.grad`` and is never sharded. ``transient`` is
+memory that exists only between the forward and the end of backward; the rest is held across steps.
+
+Communication is the bytes a rank sends per step, by the ring formulas of ``materialize.AlphaBeta``
+for a buffer of ``n`` bytes among ``p`` ranks: all-reduce ``2(p-1)/p·n``; all-gather,
+reduce-scatter and all-to-all ``(p-1)/p·n``. Activation collectives count twice (the backward
+runs the adjoint collective); point-to-point messages count the activations a rank sends forward
+and the gradients it sends back. Gradient reduction: stage 0 all-reduces the replicated boxes;
+ZeRO reduce-scatters their padded gradients, and all-gathers the padded boxes once per step
+(stage 1 after the optimizer step, stage 3 before the forward: the runtime keeps the gathered box
+through backward, so it does not gather it again there). The scalar loss sum is left out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from lightning_nnscaler.ir.box import Box
+from lightning_nnscaler.ir.tensor import dtype_bytes
+from lightning_nnscaler.materialize.program import Collective, Compute, Program, Recv
+from lightning_nnscaler.plans.context import PipelinePlan
+
+MEMORY_KEYS = ("parameters", "gradients", "optimizer", "activations", "transient")
+"""The memory columns of a row, in bytes; their sum is the rank's estimated peak."""
+ROW_KEYS = (*MEMORY_KEYS, "communication", "gradient_communication")
+"""Every key of a row: memory, then bytes sent per step (all of it, and the gradient reduction's part)."""
+OPTIMIZER_ASSUMPTION = "optimizer state assumes Adam/AdamW: 2 moments per element a rank steps, in the parameter's dtype"
+"""The plan does not know the optimizer: what the ``optimizer`` column assumes."""
+COMMUNICATION_CONVENTION = (
+    "communication: bytes a rank sends per step (ring: all-reduce 2(p-1)/p·n, all-gather/reduce-scatter/all-to-all "
+    "(p-1)/p·n; activation collectives forward and backward; point to point: activations and gradients it sends)"
+)
+"""How the ``communication`` column counts."""
+TRANSIENT_NOTE = "transient: ZeRO's full-size boxes (stage 3) and gradients (stages 1, 3) that exist only during forward/backward"
+"""What the ``transient`` column holds."""
+
+
+def explain_rank(
+    program: Program, rank: int, pipeline: PipelinePlan | None = None, *, zero_stage: int = 0,
+    element_bytes: Mapping[str, int] | None = None,
+) -> dict[str, int]:
+    """Rank ``rank``'s row: bytes held (``MEMORY_KEYS``) and sent per step (see the module docstring).
+
+    Activations are the outputs kept for backward; under a ``pipeline``, the most that its schedule
+    keeps at once (each segment's from its F to its last backward half). ``element_bytes`` maps a
+    parameter's graph name to its bytes per element (4 for names it lacks).
+    """
+    sizes = element_bytes or {}
+    boxes = {
+        (local.name, local.box): _numel(local.box) * sizes.get(local.name, 4)
+        for local in program.ranks[rank].inputs if local.role == "parameter"
+    }
+    trainable: dict[tuple[str, Box], int] = {}  # box -> how many ranks sum its gradient
+    for group in program.gradient_groups:
+        if rank in group.ranks:
+            trainable[(group.name, group.box)] = len(group.ranks)
+    row = dict.fromkeys(ROW_KEYS, 0)
+    row["parameters"] = sum(boxes.values())
+    row["activations"], row["communication"] = _activations_and_messages(program, rank, pipeline)
+    for (name, box), size in boxes.items():
+        replicas = trainable.get((name, box), 0)
+        if replicas == 0:  # frozen: no gradient, no optimizer state
+            continue
+        if replicas == 1:
+            row["gradients"] += size
+            row["optimizer"] += 2 * size
+            continue
+        chunk = math.ceil(_numel(box) / replicas) * sizes.get(name, 4)
+        _add_replicated(row, zero_stage, size, chunk, replicas)
+    row["communication"] += row["gradient_communication"]
+    return row
+
+
+def _add_replicated(row: dict[str, int], zero_stage: int, size: int, chunk: int, replicas: int) -> None:
+    """Add one box of ``size`` bytes whose gradient ``replicas`` ranks sum (ZeRO chunk: ``chunk`` bytes)."""
+    if zero_stage == 0:
+        row["gradients"] += 2 * size  # the reducer's two bucket buffers, used in turn
+        row["optimizer"] += 2 * size
+        row["gradient_communication"] += 2 * (replicas - 1) * size // replicas
+        return
+    row["parameters"] += chunk if zero_stage == 1 else chunk - size  # stage 3 frees the box between steps
+    row["gradients"] += chunk
+    row["optimizer"] += 2 * chunk
+    row["transient"] += size if zero_stage == 1 else 2 * size  # full gradients (and, stage 3, the gathered box)
+    row["gradient_communication"] += 2 * (replicas - 1) * chunk  # reduce-scatter + all-gather of the padded box
+
+
+def _activations_and_messages(program: Program, rank: int, pipeline: PipelinePlan | None) -> tuple[int, int]:
+    """Activation bytes kept for backward (a pipeline's peak) and the bytes of activation messages this rank sends."""
+    kept: dict[object, int] = {}
+    sent = 0
+    for action in program.ranks[rank].actions:
+        if isinstance(action, Compute) and action.op.recompute is None and not action.op.no_grad:
+            kept[action.segment] = kept.get(action.segment, 0) + sum(_numel_of(output.shape) * dtype_bytes(output.tensor.dtype) for output in action.op.outputs)
+        elif isinstance(action, Recv) and action.gradient and _is_floating(action.dtype):
+            sent += _numel_of(action.shape) * dtype_bytes(action.dtype)  # the gradient it sends back
+        elif isinstance(action, Collective):
+            sent += 2 * _ring_bytes(action.kind, len(action.ranks), action.bytes_per_device)  # forward and its adjoint
+    for other in program.ranks:
+        sent += sum(
+            _numel_of(action.shape) * dtype_bytes(action.dtype)
+            for action in other.actions if isinstance(action, Recv) and action.src == rank
+        )
+    activations = sum(kept.values()) if pipeline is None else _peak_kept(kept, pipeline.actions(rank))
+    return activations, sent
+
+
+def _ring_bytes(kind: str, ranks: int, buffer_bytes: int) -> int:
+    """Bytes one rank sends in a ring collective ``kind`` over a buffer of ``buffer_bytes``."""
+    factor = 2 if kind == "all_reduce" else 1
+    return factor * (ranks - 1) * buffer_bytes // ranks
+
+
+def _peak_kept(kept: dict[object, int], actions: Sequence[Any]) -> int:
+    """The most activation bytes alive at once when ``actions`` run in order (freed at the last backward half)."""
+    release = "W" if any(action.kind.value == "W" for action in actions) else "B"
+    alive = peak = 0
+    for action in actions:
+        segment = (action.stage, action.microbatch)
+        if action.kind.value == "F":
+            alive += kept.get(segment, 0)
+        elif action.kind.value == release:
+            alive -= kept.get(segment, 0)
+        peak = max(peak, alive)
+    return peak
+
+
+def _numel(box: Box) -> int:
+    return math.prod(stop - start for start, stop in box)
+
+
+def _numel_of(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def _is_floating(dtype: str) -> bool:
+    return getattr(torch, dtype, torch.int64).is_floating_point
+
+
+def explain_table(title: str, rows: Sequence[Mapping[str, int]]) -> str:
+    """``title``, a header, one line of human-readable bytes per rank, and the columns' assumptions."""
+    columns = {"params": "parameters", "grads": "gradients", "optimizer*": "optimizer", "activations": "activations",
+               "transient†": "transient", "comm/step‡": "communication", "grad comm‡": "gradient_communication"}
+    lines = [title, f"{'rank':>4} " + " ".join(f"{name:>12}" for name in columns)]
+    for rank, row in enumerate(rows):
+        lines.append(f"{rank:>4} " + " ".join(f"{human_bytes(row[key]):>12}" for key in columns.values()))
+    lines += [f"* {OPTIMIZER_ASSUMPTION}", f"† {TRANSIENT_NOTE}", f"‡ {COMMUNICATION_CONVENTION}"]
+    return "\n".join(lines)
+
+
+def human_bytes(count: float) -> str:
+    """``count`` bytes in B, KiB, MiB, ... (one decimal above bytes)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if count < 1024:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} PiB"

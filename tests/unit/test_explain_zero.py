@@ -1,0 +1,153 @@
+"""explain() against the runtime: dp, zero1, zero3, tp and dp×tp of GPT on 4 in-memory ranks, bytes held and sent.
+
+Each rank runs one training step (forward, backward, Adam step) with the executor and reducer the
+strategy uses; the bytes of what they then hold, of the full-size tensors alive just before the
+gradient reduction, and of every collective (by the ring convention of ``lightning_nnscaler.explain``)
+must be the plan's rows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import lightning_nnscaler as lnn
+from lightning_nnscaler.codegen import module_from_source
+from lightning_nnscaler.explain import MEMORY_KEYS
+from lightning_nnscaler.models.gpt import GPT, GPTConfig
+from lightning_nnscaler.runtime.executor import RankExecutor
+from lightning_nnscaler.runtime.memory_comm import InMemoryCommunicator, run_ranks
+
+WORLD = 4
+
+
+class CountingCommunicator:
+    """An in-memory communicator that adds up the bytes this rank sends, by the ring formulas."""
+
+    def __init__(self, inner: InMemoryCommunicator) -> None:
+        self.inner = inner
+        self.sent = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _count(self, factor: int, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
+        if tensor.numel() > 1:  # the scalar loss sum is left out, as explain leaves it out
+            self.sent += factor * (len(ranks) - 1) * tensor.numel() * tensor.element_size() // len(ranks)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        self.sent += tensor.numel() * tensor.element_size()
+        self.inner.send(tensor, dst, tag)
+
+    def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
+        self._count(2, tensor, ranks)
+        return self.inner.all_reduce(tensor, ranks)
+
+    def all_reduce_async(self, tensor: torch.Tensor, ranks: tuple[int, ...], *, in_place: bool = False) -> Any:
+        self._count(2, tensor, ranks)
+        return self.inner.all_reduce_async(tensor, ranks, in_place=in_place)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
+        self._count(1, tensor.new_empty(tensor.numel() * len(ranks)), ranks)  # n is the gathered output
+        return self.inner.all_gather(tensor, dim, ranks)
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
+        self._count(1, tensor, ranks)
+        return self.inner.reduce_scatter(tensor, dim, ranks)
+
+    def all_to_all(self, tensor: torch.Tensor, split_dim: int, concat_dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
+        self._count(1, tensor, ranks)
+        return self.inner.all_to_all(tensor, split_dim, concat_dim, ranks)
+
+
+def _bytes(tensors: Any) -> int:
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors if tensor is not None)
+
+
+def measure(plan: lnn.Plan) -> list[dict[str, int]]:
+    """Per rank, after one training step: the bytes the runtime holds and sent (the keys of explain's rows)."""
+    inputs = plan.inputs()
+    state = {**dict(plan.module.named_parameters(remove_duplicate=False)), **dict(plan.module.named_buffers(remove_duplicate=False))}
+
+    def run_rank(inner: InMemoryCommunicator) -> dict[str, int]:
+        rank, communicator = inner.rank, CountingCommunicator(inner)
+        module = module_from_source(plan.sources[rank], f"explain_rank{rank}")
+        executor = RankExecutor(module, rank, state, plan.graph.constant_values, communicator, input_offsets=plan.input_offsets(rank))
+        reducer = executor.reducer
+        boxes = [shard.tensor for shard in executor.shards.values() if isinstance(shard.tensor, torch.nn.Parameter)]
+        chunks = [owned.chunk for owned in reducer.owned]
+        in_step: dict[str, int] = {}
+        reduce = reducer.after_backward
+
+        def after_backward() -> None:  # the full-size tensors ZeRO holds only while the step runs
+            owned = [owned.box for owned in reducer.owned]
+            gathered = _bytes(owned) if reducer.zero_stage == 3 else 0  # zero1 holds its boxes across steps
+            in_step["transient"] = gathered + _bytes(box.grad for box in owned)
+            reduce()
+
+        reducer.after_backward = after_backward  # type: ignore[method-assign]
+        optimizer = torch.optim.Adam(executor.parameters())
+        executor.forward_backward(plan.replica_inputs(rank, inputs))
+        optimizer.step()
+        executor.after_optimizer_step()
+        buckets = [buffer for queue in reducer._queues.values() for bucket in queue.buckets for buffer in bucket.buffers]
+        bucketed = {id(parameter) for queue in reducer._queues.values() for bucket in queue.buckets for parameter in bucket.parameters}
+        own_gradients = [box.grad for box in boxes if id(box) not in bucketed]
+        moments = [value for entry in optimizer.state.values() for key, value in entry.items() if key != "step"]
+        return {
+            "parameters": _bytes(boxes) + _bytes(chunks),
+            "gradients": _bytes(buckets) + _bytes(own_gradients) + _bytes(chunk.grad for chunk in chunks),
+            "optimizer": _bytes(moments),
+            "transient": in_step.get("transient", 0),
+            "communication": communicator.sent,
+        }
+
+    return run_ranks(plan.world_size, run_rank, timeout=120.0)
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, lnn.Plan]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.small())
+    batch = model.example_batch(8)
+    recipes = {"dp": {}, "zero1": {}, "zero3": {}, "tp": {}, "hybrid": {"dp": 2, "tp": 2}}
+    return {recipe: lnn.parallelize(model, batch, recipe, WORLD, step="training_step", **params) for recipe, params in recipes.items()}
+
+
+@pytest.mark.parametrize("recipe", ["dp", "zero1", "zero3", "tp", "hybrid"])
+def test_explain_rows_are_what_the_runtime_holds_and_sends(plans: dict[str, lnn.Plan], recipe: str) -> None:
+    plan = plans[recipe]
+    for rank, (row, measured) in enumerate(zip(plan.memory_rows(), measure(plan), strict=True)):
+        for key, value in measured.items():
+            assert row[key] == value, f"{recipe} rank {rank}: explain says {key} {row[key]} bytes, the runtime has {value}"
+
+
+def test_zero_shards_what_dp_replicates(plans: dict[str, lnn.Plan]) -> None:
+    model = plans["dp"].module
+    whole = sum(parameter.numel() * 4 for parameter in model.parameters())
+    padding = sum((math.ceil(parameter.numel() / WORLD) * WORLD - parameter.numel()) * 4 for parameter in model.parameters())
+    dp, zero1, zero3 = (plans[recipe].memory_rows()[0] for recipe in ("dp", "zero1", "zero3"))
+    assert dp["parameters"] == whole and dp["optimizer"] == 2 * whole
+    assert dp["gradients"] == 2 * whole  # the reducer's two bucket buffers
+    assert zero3["parameters"] == (whole + padding) // WORLD and whole / WORLD <= zero3["parameters"] < whole / WORLD + 4 * len(list(model.parameters()))
+    assert zero1["optimizer"] == zero3["optimizer"] == (2 * whole + 2 * padding) // WORLD
+    assert abs(zero1["optimizer"] - dp["optimizer"] / WORLD) <= 2 * padding / WORLD
+    # Ring all-reduce: each rank sends 2(n-1)/n of the gradient bytes; ZeRO sends (n-1)/n of the padded
+    # gradients (reduce-scatter) and of the padded parameters (one all-gather per step).
+    assert dp["gradient_communication"] == 2 * (WORLD - 1) * whole // WORLD
+    assert zero1["gradient_communication"] == zero3["gradient_communication"] == 2 * (WORLD - 1) * (whole + padding) // WORLD
+
+
+def test_the_logged_plan_is_explains_rows(plans: dict[str, lnn.Plan]) -> None:
+    from lightning_nnscaler.strategy.plan_logging import plan_summary
+
+    plan = plans["zero3"]
+    summary = plan_summary(plan)
+    for rank, row in enumerate(plan.memory_rows()):
+        logged = summary["memory"][f"rank{rank}"]
+        assert {key: logged[f"{key}_bytes"] for key in row} == row
+        assert logged["total_bytes"] == sum(row[key] for key in MEMORY_KEYS)
+    assert "Adam" in summary["notes"]["optimizer"] and "Adam" in plan.explain()
