@@ -4,7 +4,7 @@ A documented public helper: run a function on N local gloo processes (the integr
 benchmarks use it to run generated per-rank code on real ranks; so can a plan author).
 A failing or hanging rank never hangs the caller: when one rank fails, or the timeout passes,
 every other rank is terminated and ``LaunchError`` names what happened. A rank's own error is published
-to the others (``strategy.failures``): a rank whose collective then fails raises ``PeerRankFailed`` naming
+to the others (``runtime.failures``): a rank whose collective then fails raises ``PeerRankFailed`` naming
 it, and ``LaunchError`` ends with the first failing rank's traceback and a line naming it and its error.
 """
 
@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_nnscaler.strategy.failures import PEER_REPORT_WAIT_S, PeerRankFailed, is_communication_failure, report_failure, where_raised
+from lightning_nnscaler.runtime.failures import PEER_REPORT_WAIT_S, PeerRankFailed, is_communication_failure, report_failure, where_raised
 
 SETTLE_S = PEER_REPORT_WAIT_S + 1.0  # after a rank fails, how long the others may take to fail (and say why) before they are terminated
 
