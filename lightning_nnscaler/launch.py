@@ -3,7 +3,9 @@
 A documented public helper: run a function on N local gloo processes (the integration tests and
 benchmarks use it to run generated per-rank code on real ranks; so can a plan author).
 A failing or hanging rank never hangs the caller: when one rank fails, or the timeout passes,
-every other rank is terminated and ``LaunchError`` names what happened.
+every other rank is terminated and ``LaunchError`` names what happened. A rank's own error is published
+to the others (``runtime.failures``): a rank whose collective then fails raises ``PeerRankFailed`` naming
+it, and ``LaunchError`` ends with the first failing rank's traceback and a line naming it and its error.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from lightning_nnscaler.runtime.failures import PEER_REPORT_WAIT_S, PeerRankFailed, is_communication_failure, report_failure, where_raised
+
+SETTLE_S = PEER_REPORT_WAIT_S + 1.0  # after a rank fails, how long the others may take to fail (and say why) before they are terminated
 
 
 class LaunchError(RuntimeError):
@@ -45,11 +51,34 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
         result = fn(rank, world_size, *args)
         Path(result_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(("ok", result)))
     except BaseException as error:  # noqa: BLE001 - reported to the parent
-        Path(result_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(("error", "".join(traceback.format_exception(error)))))
-        raise
+        reported = report_failure(rank, error) if isinstance(error, Exception) else error
+        if reported is not error:
+            reported.__cause__ = error
+        Path(result_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(("error", _RankError.of(reported))))
+        if reported is error:
+            raise
+        raise reported from error
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _RankError:
+    """What the parent learns of a rank's error: its traceback, one line, and whether it is the rank's own."""
+
+    def __init__(self, traceback_text: str, line: str, own: bool) -> None:
+        self.traceback_text = traceback_text
+        self.line = line
+        self.own = own  # not a consequence of another rank failing
+        self.time = time.time()
+
+    @classmethod
+    def of(cls, error: BaseException) -> _RankError:
+        where = where_raised(error)
+        if isinstance(error, PeerRankFailed):
+            return cls("".join(traceback.format_exception(error)), str(error), own=False)
+        line = f"{type(error).__name__}: {error}" + (f" ({where})" if where else "")
+        return cls("".join(traceback.format_exception(error)), line, not is_communication_failure(error))
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, collective_timeout: float = 60.0) -> list[Any]:
@@ -82,15 +111,20 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
 
 def _wait(processes: list[Any], deadline: float, result_dir: str) -> None:
     while any(process.is_alive() for process in processes):
-        for rank, process in enumerate(processes):
-            if not process.is_alive() and process.exitcode != 0:
-                raise LaunchError(_failure(rank, process.exitcode, result_dir))
+        if any(not process.is_alive() and process.exitcode != 0 for process in processes):
+            _settle(processes, min(deadline, time.monotonic() + SETTLE_S))
+            raise LaunchError(_failure(processes, result_dir))
         if time.monotonic() > deadline:
             raise LaunchError(f"ranks {[r for r, p in enumerate(processes) if p.is_alive()]} still running at the timeout")
         time.sleep(0.05)
-    for rank, process in enumerate(processes):
-        if process.exitcode != 0:
-            raise LaunchError(_failure(rank, process.exitcode, result_dir))
+    if any(process.exitcode != 0 for process in processes):
+        raise LaunchError(_failure(processes, result_dir))
+
+
+def _settle(processes: list[Any], until: float) -> None:
+    """Give the other ranks until ``until`` to fail on their own (saying which rank stopped them)."""
+    while any(process.is_alive() for process in processes) and time.monotonic() < until:
+        time.sleep(0.05)
 
 
 def _result(result_dir: str, rank: int) -> Any:
@@ -99,10 +133,28 @@ def _result(result_dir: str, rank: int) -> Any:
     return pickle.loads(path.read_bytes())[1] if path.exists() else None
 
 
-def _failure(rank: int, exitcode: int | None, result_dir: str) -> str:
-    path = Path(result_dir, f"rank{rank}.pkl")
-    if path.exists():
-        status, detail = pickle.loads(path.read_bytes())
+def _failure(processes: list[Any], result_dir: str) -> str:
+    """Every failed rank in a line, then the first failing rank's traceback and a line naming it and its error.
+
+    The first failing rank: the earliest to fail with its own error (not a communication failure), else a
+    rank that died without a result, else the earliest to fail."""
+    errors: dict[int, _RankError] = {}
+    silent: dict[int, int | None] = {}
+    for rank, process in enumerate(processes):
+        if process.is_alive() or process.exitcode == 0:
+            continue
+        path = Path(result_dir, f"rank{rank}.pkl")
+        status, detail = pickle.loads(path.read_bytes()) if path.exists() else (None, None)
         if status == "error":
-            return f"rank {rank} failed:\n{detail}"
-    return f"rank {rank} exited with code {exitcode} without a result"
+            errors[rank] = detail
+        else:
+            silent[rank] = process.exitcode
+    own = sorted((error.time, rank) for rank, error in errors.items() if error.own)
+    first = own[0][1] if own else (min(silent) if silent else min(errors, key=lambda rank: errors[rank].time))
+    lines = [error.line if error.line.startswith(f"rank {rank} ") else f"rank {rank} failed: {error.line}" for rank, error in sorted(errors.items()) if rank != first]
+    lines += [f"rank {rank} exited with code {code} without a result" for rank, code in sorted(silent.items()) if rank != first]
+    if first in errors:
+        lines += [f"rank {first} failed:", errors[first].traceback_text.rstrip(), f"rank {first} failed first: {errors[first].line}"]
+    else:
+        lines.append(f"rank {first} exited with code {silent[first]} without a result")
+    return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import linecache
 import os
 import tempfile
 from pathlib import Path
@@ -67,10 +68,12 @@ def load_rank_module(root: str | os.PathLike[str], rank: int) -> ModuleType:
 
 
 def module_from_source(source: str, name: str) -> ModuleType:
-    """Execute generated source as a fresh module (not added to sys.modules)."""
+    """Execute generated source as a fresh module (not added to sys.modules; its lines are in ``linecache``)."""
     spec = importlib.util.spec_from_loader(name, loader=None)
     module = importlib.util.module_from_spec(spec)
-    exec(compile(source, f"<{name}>", "exec"), module.__dict__)  # noqa: S102 - our own generated code
+    filename = f"<{name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)  # tracebacks show the op's line
+    exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - our own generated code
     return module
 
 

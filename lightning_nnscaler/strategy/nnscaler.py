@@ -79,6 +79,7 @@ from lightning_nnscaler.strategy.checkpoint import (
     copy_pieces_into, every_rank_is_saving, group_keys_of, held_model_pieces, held_optimizer_pieces, save_sharded,
     single_device_param_groups,
 )
+from lightning_nnscaler.strategy.failures import ReportingScriptLauncher
 from lightning_nnscaler.strategy.gradients import (
     GradientStash, clip_grad_norm, gradient_holders, move_param_groups, piece_locations, replica_counts,
 )
@@ -202,10 +203,11 @@ class NnScalerStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        """Lightning's script launcher (``popen``) or multiprocessing launcher, as for DDP."""
+        """Lightning's script launcher (``popen``; reporting a rank's failure to the others, ``strategy.failures``)
+        or multiprocessing launcher, as for DDP."""
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = ReportingScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = _NnScalerMultiProcessingLauncher(self, start_method=self._start_method)
 

@@ -5,6 +5,9 @@ devices=1, num_nodes=2)``; the node comes from ``NODE_RANK`` and the rendezvous 
 ``MASTER_PORT`` and ``WORLD_SIZE``, as Lightning's ``LightningEnvironment`` reads them. Each node writes
 its per-step losses, global rank and world size to OUTPUT_DIR/node{NODE_RANK}.json.
 
+``python strategy_scripts.py rank_raises TIMEOUT_S``: as ``rank_dies``, but rank 1 raises
+``ValueError("boom from rank 1")`` at step ``DEATH_STEP`` (a bug on one rank), on a small model.
+
 ``python strategy_scripts.py rank_dies TIMEOUT_S DEATH_FILE``: ``strategy="nnscaler"`` on 2 devices
 (Lightning's script launcher starts rank 1), and rank 1 writes the time to DEATH_FILE and kills itself
 with SIGKILL at step ``DEATH_STEP``; the run must fail rather than hang (collectives time out after
@@ -50,6 +53,34 @@ class DieAtStep(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class TinyRegressor(L.LightningModule):
+    """Two linear layers: plans and steps in well under a second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        return torch.nn.functional.mse_loss(self.net(inputs), targets)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class RaiseAtStep(Callback):
+    """At ``step`` on ``rank``: raise ``ValueError(f"boom from rank {rank}")`` (a bug in one rank's code)."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank = rank
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            raise ValueError(f"boom from rank {self.rank}")
+
+
 def two_node(output_dir: str) -> None:
     """This node's share of a 2-node run with one device per node; writes what it trained and as which rank."""
     torch.set_num_threads(1)
@@ -71,11 +102,26 @@ def rank_dies(timeout: float, death_file: str) -> None:
     trainer.fit(build_model(), train)
 
 
+def rank_raises(timeout: float) -> None:
+    """Train a small model on 2 devices until rank 1 raises ``ValueError("boom from rank 1")`` at step ``DEATH_STEP``."""
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    samples = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=generator), torch.randn(64, 1, generator=generator))
+    trainer = L.Trainer(
+        strategy=lnn.NnScalerStrategy(timeout=timeout), accelerator="cpu", devices=2, max_steps=20, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[RaiseAtStep(rank=1, step=DEATH_STEP)],
+    )
+    trainer.fit(TinyRegressor(), torch.utils.data.DataLoader(samples, batch_size=4))
+
+
 if __name__ == "__main__":
     command, arguments = sys.argv[1], sys.argv[2:]
     if command == "two_node":
         two_node(*arguments)
     elif command == "rank_dies":
         rank_dies(float(arguments[0]), arguments[1])
+    elif command == "rank_raises":
+        rank_raises(float(arguments[0]))
     else:
-        raise SystemExit(f"unknown command {command!r}: use two_node OUTPUT_DIR or rank_dies TIMEOUT_S DEATH_FILE")
+        raise SystemExit(f"unknown command {command!r}: use two_node OUTPUT_DIR, rank_dies TIMEOUT_S DEATH_FILE or rank_raises TIMEOUT_S")

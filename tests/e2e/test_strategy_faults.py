@@ -46,3 +46,24 @@ def test_a_rank_killed_mid_training_fails_the_run_within_a_minute(tmp_path: Path
     failed_on_peer = re.search(r"CommunicationError: rank 0: .* failed or did not complete|DistBackendError|Connection reset", text)
     assert failed_on_peer or return_code == -signal.SIGKILL, text[-3000:]
     print(f"every process exited {seconds_to_exit:.1f} s after rank 1 died; rank 0's exit code {return_code}")
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_raises_is_named_with_its_error_in_the_last_lines(tmp_path: Path) -> None:
+    log = tmp_path / "run.log"
+    with open(log, "w") as output:
+        run = subprocess.Popen(
+            [sys.executable, str(SCRIPT), "rank_raises", str(COLLECTIVE_TIMEOUT_S)],
+            cwd=tmp_path, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        return_code = run.wait(timeout=240)
+        wait_until_gone(run.pid, timeout=EXIT_WITHIN_S)
+    finally:
+        kill_group(run.pid)
+    text = log.read_text()
+    last_lines = "\n".join(text.splitlines()[-10:])
+    assert return_code != 0, text[-3000:]
+    # Rank 0, the launching process, fails last: on the collective rank 1 left, naming rank 1 and its error.
+    assert re.search(r"PeerRankFailed: rank 0 stopped: waiting for rank 1, which failed: ValueError: boom from rank 1 \(in RaiseAtStep", last_lines), text[-3000:]
+    assert text.count("ValueError: boom from rank 1") == 2, text  # rank 1's own traceback, and rank 0's last line

@@ -137,3 +137,13 @@ def die_mid_step(rank: int, world_size: int) -> tuple[str, float]:
     except Exception as error:  # noqa: BLE001 - the error itself is the result
         return type(error).__name__, time.monotonic() - start
     return "no error", time.monotonic() - start
+
+
+def raise_on_rank_1(rank: int, world_size: int) -> None:
+    """Rank 1 raises ``ValueError("boom from rank 1")`` after a first barrier; rank 0 goes on to the next collective."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+    dist.all_reduce(torch.ones(1))
