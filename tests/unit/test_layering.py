@@ -13,6 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lightning_nnscaler"
 
 ALLOWED: dict[str, set[str]] = {
     "_compat": set(),
+    "_import_hooks": set(),
     "ir": set(),
     "models": set(),
     "launch": set(),
@@ -32,7 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     "draw": {"ir", "materialize", "schedules"},
     "app": {"data", "draw", "parallelize", "plans", "strategy"},
     "train": {"app"},
-    "cli": {"ir", "plans", "checkpoint", "parallelize", "app"},
+    "cli": {"ir", "plans", "recipes", "checkpoint", "parallelize", "app"},
 }
 
 
