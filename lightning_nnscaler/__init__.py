@@ -1,34 +1,65 @@
-"""lightning-nnscaler: parallelization plans composed from op-trans, op-assign and op-order."""
+"""lightning-nnscaler: parallelization plans composed from op-trans, op-assign and op-order.
+
+``import lightning_nnscaler`` is cheap: it imports neither torch nor Lightning, so that the command
+line (``lightning-nnscaler --help``, ``lightning-nnscaler recipes``) starts at once. What it sets up:
+
+* every public name (``__all__``) is imported from its module on first use (PEP 562 ``__getattr__``);
+  ``parallelize``, which is also a submodule's name, is a property that stays the function when the
+  import system binds the submodule to the package;
+* the torchvision fix (``_compat``) runs just before torchvision is first looked for, whoever imports it;
+* the strategies (``Trainer(strategy="nnscaler")``, ``"nnscaler_tp"``, ...) are registered with
+  Lightning's ``StrategyRegistry`` as soon as ``lightning.pytorch`` has been imported, or at once when it
+  already was. ``lightning_nnscaler.strategy`` registers them when it is imported; this package imports
+  it after ``lightning.pytorch``, or, when one of its own modules imported Lightning, once that
+  module's import has finished (the strategy imports it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any, Callable
 
 from lightning_nnscaler._compat import declare_torchvision_ops_when_its_kernels_cannot_load
+from lightning_nnscaler._import_hooks import call_after_import, call_before_import
 
-declare_torchvision_ops_when_its_kernels_cannot_load()
+if TYPE_CHECKING:
+    from lightning_nnscaler import checkpoint
+    from lightning_nnscaler.capture import CaptureError, FrozenValueError, bind_inputs, flatten_inputs, register_annotation, trace
+    from lightning_nnscaler.ir.annotation import DimAnnotation
+    from lightning_nnscaler.ir.graph import Graph
+    from lightning_nnscaler.ir.interpret import run_graph
+    from lightning_nnscaler.ir.op import Op
+    from lightning_nnscaler.ir.tensor import IndexMask, PTensor, ValueMask, VTensor
+    from lightning_nnscaler.ir.validate import IdleRankError, PlanError, validate_plan
+    from lightning_nnscaler.parallelize import Plan, build_plan, parallelize
+    from lightning_nnscaler.plans.catalog import RecipeError, apply_recipe, list_recipes, load_recipe, register_recipe
+    from lightning_nnscaler.plans.context import PlanContext
+    from lightning_nnscaler.plans.coverage import PartialPlanWarning
+    from lightning_nnscaler.plans.layout import DeviceGrid, RecipeLayout
+    from lightning_nnscaler.primitives import Constraints, op_assign, op_order, op_trans
+    from lightning_nnscaler.strategy import NnScalerStrategy
+    from lightning_nnscaler.verify import assert_equivalent
 
-# isort: split
-
-from lightning_nnscaler.capture import CaptureError, FrozenValueError, bind_inputs, flatten_inputs, register_annotation, trace
-from lightning_nnscaler.ir.annotation import DimAnnotation
-from lightning_nnscaler.ir.graph import Graph
-from lightning_nnscaler.ir.interpret import run_graph
-from lightning_nnscaler.ir.op import Op
-from lightning_nnscaler.ir.tensor import IndexMask, PTensor, ValueMask, VTensor
-from lightning_nnscaler.ir.validate import IdleRankError, PlanError, validate_plan
-from lightning_nnscaler.parallelize import Plan, build_plan, parallelize
-from lightning_nnscaler.plans.catalog import RecipeError, apply_recipe, list_recipes, load_recipe, register_recipe
-from lightning_nnscaler.plans.layout import DeviceGrid, RecipeLayout
-from lightning_nnscaler.plans.context import PlanContext
-from lightning_nnscaler.plans.coverage import PartialPlanWarning
-from lightning_nnscaler.primitives import Constraints, op_assign, op_order, op_trans
-from lightning_nnscaler.verify import assert_equivalent
-
-# isort: split
-
-from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry  # noqa: E402 - after the torchvision fix
-
-from lightning_nnscaler import checkpoint  # noqa: E402 - sharded checkpoints: load, merge, open_merged
-from lightning_nnscaler.strategy import NnScalerStrategy  # noqa: E402
-
-NnScalerStrategy.register_strategies(_StrategyRegistry)  # Trainer(strategy="nnscaler"), "nnscaler_tp", ...
+_MODULE_OF: dict[str, str] = {
+    "NnScalerStrategy": "lightning_nnscaler.strategy",
+    "checkpoint": "lightning_nnscaler.checkpoint",  # the subpackage itself: load, merge, open_merged
+    **dict.fromkeys(["CaptureError", "FrozenValueError", "bind_inputs", "flatten_inputs", "register_annotation", "trace"], "lightning_nnscaler.capture"),
+    "DimAnnotation": "lightning_nnscaler.ir.annotation",
+    "Graph": "lightning_nnscaler.ir.graph",
+    "run_graph": "lightning_nnscaler.ir.interpret",
+    "Op": "lightning_nnscaler.ir.op",
+    **dict.fromkeys(["IndexMask", "PTensor", "ValueMask", "VTensor"], "lightning_nnscaler.ir.tensor"),
+    **dict.fromkeys(["IdleRankError", "PlanError", "validate_plan"], "lightning_nnscaler.ir.validate"),
+    **dict.fromkeys(["Plan", "build_plan", "parallelize"], "lightning_nnscaler.parallelize"),
+    **dict.fromkeys(["RecipeError", "apply_recipe", "list_recipes", "load_recipe", "register_recipe"], "lightning_nnscaler.plans.catalog"),
+    **dict.fromkeys(["DeviceGrid", "RecipeLayout"], "lightning_nnscaler.plans.layout"),
+    "PlanContext": "lightning_nnscaler.plans.context",
+    "PartialPlanWarning": "lightning_nnscaler.plans.coverage",
+    **dict.fromkeys(["Constraints", "op_assign", "op_order", "op_trans"], "lightning_nnscaler.primitives"),
+    "assert_equivalent": "lightning_nnscaler.verify",
+}
 
 __all__ = [
     "NnScalerStrategy", "checkpoint",
@@ -36,3 +67,43 @@ __all__ = [
     "assert_equivalent", "bind_inputs", "flatten_inputs", "op_assign", "op_order", "op_trans", "register_annotation", "run_graph",
     "DeviceGrid", "Plan", "PlanContext", "RecipeError", "RecipeLayout", "apply_recipe", "build_plan", "list_recipes", "load_recipe", "parallelize", "register_recipe", "trace", "validate_plan",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use (then kept as a plain attribute)."""
+    module_name = _MODULE_OF.get(name)
+    if module_name is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(module_name)
+    value = module if module_name == f"{__name__}.{name}" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    """This package's module type: ``lightning_nnscaler.parallelize`` is the function, as ``__all__`` says,
+    even after ``lightning_nnscaler.parallelize`` (the module) is imported (``sys.modules`` holds the module)."""
+
+    @property
+    def parallelize(self) -> Callable[..., Any]:
+        """``lightning_nnscaler.parallelize.parallelize``."""
+        return importlib.import_module("lightning_nnscaler.parallelize").parallelize
+
+    @parallelize.setter
+    def parallelize(self, submodule: types.ModuleType) -> None:
+        """The import system binds the submodule here when it is imported; the name stays the function."""
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def _register_strategies_with_lightning() -> None:
+    importlib.import_module("lightning_nnscaler.strategy")  # registers the strategies as it is imported
+
+
+call_before_import("torchvision", declare_torchvision_ops_when_its_kernels_cannot_load)
+call_after_import("lightning.pytorch", _register_strategies_with_lightning, outside_of=__name__)

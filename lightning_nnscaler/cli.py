@@ -11,6 +11,9 @@
     lightning-nnscaler ckpt merge DIR OUT      a sharded checkpoint as one plain Lightning checkpoint file (every file checked)
 
 A damaged checkpoint exits with status 2 and one line naming the file, what is wrong and what to do.
+
+Each command imports what it needs when it runs: ``--help`` and ``recipes`` import neither torch nor
+Lightning (``tests/unit/test_cli_startup.py``), so they answer at once.
 """
 
 from __future__ import annotations
@@ -21,26 +24,56 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from lightning_nnscaler import checkpoint
-from lightning_nnscaler.app.config import ConfigError
-from lightning_nnscaler.plans.catalog import RecipeError, list_recipes
+CATALOG_MODULE = "lightning_nnscaler.plans.catalog"
+ONE_LINE_ERRORS = (
+    ("lightning_nnscaler.checkpoint.integrity", "CheckpointError"), (CATALOG_MODULE, "RecipeError"), ("lightning_nnscaler.app.config", "ConfigError"),
+)
+"""``(module, class)`` of the errors reported in one line with exit status 2."""
+
+
+def recipe_line(spec: Any) -> str:
+    """One line of ``lightning-nnscaler recipes``: name, summary and ``[parameter: type = default, ...]``
+    of a catalog ``RecipeSpec`` or a ``RecipeSummary`` (the same attributes)."""
+    parameters = ", ".join(
+        f"{p.name}: {p.type}" + (" | None" if p.nullable else "") + (" (required)" if p.required else f" = {p.default!r}") for p in spec.parameters.values()
+    )
+    return f"{spec.name:<10} {spec.summary}" + (f" [{parameters}]" if parameters else "")
+
+
+def catalog_specs() -> list[Any]:
+    """The recipes ``lightning-nnscaler recipes`` lists, sorted by name.
+
+    Only the catalog knows recipes registered with ``register_recipe``, and registering one imports
+    it: when it is imported, it answers. Otherwise the catalog holds the built-ins alone, and their
+    files and sources answer without importing the plan functions (nor torch)."""
+    if CATALOG_MODULE not in sys.modules:
+        from lightning_nnscaler.recipes.summaries import UnreadableRecipe, built_in_summaries
+
+        try:
+            return built_in_summaries()
+        except UnreadableRecipe:
+            pass
+    from lightning_nnscaler.plans.catalog import list_recipes
+
+    return list_recipes()
 
 
 def _recipes(arguments: argparse.Namespace) -> None:
-    for spec in list_recipes():
-        parameters = ", ".join(
-            f"{p.name}: {p.type}" + (" | None" if p.nullable else "") + (" (required)" if p.required else f" = {p.default!r}") for p in spec.parameters.values()
-        )
-        print(f"{spec.name:<10} {spec.summary}" + (f" [{parameters}]" if parameters else ""))
+    for spec in catalog_specs():
+        print(recipe_line(spec))
 
 
 def _ckpt_info(arguments: argparse.Namespace) -> None:
+    from lightning_nnscaler import checkpoint
+
     print(json.dumps(checkpoint.describe(arguments.directory, verify=arguments.verify), indent=1, sort_keys=True, default=str))
 
 
 def _ckpt_merge(arguments: argparse.Namespace) -> None:
+    from lightning_nnscaler import checkpoint
+
     checkpoint.merge(arguments.directory, arguments.output)
     print(f"wrote {arguments.output}: a plain Lightning checkpoint (loads with any strategy, e.g. strategy='auto')")
 
@@ -97,6 +130,11 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
+def _one_line_errors() -> tuple[type[Exception], ...]:
+    """The classes of ``ONE_LINE_ERRORS`` whose modules are imported (a module not imported raised none)."""
+    return tuple(getattr(sys.modules[module], name) for module, name in ONE_LINE_ERRORS if module in sys.modules)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; returns the exit status (2 with a message for a bad checkpoint)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -110,12 +148,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for module in arguments.imports:
             importlib.import_module(module)
         arguments.run(arguments)
-    except (checkpoint.CheckpointError, RecipeError, ConfigError) as error:
-        print(f"lightning-nnscaler: {error}", file=sys.stderr)
-        return 2
-    except OSError as error:  # e.g. the output of `ckpt merge` cannot be written
-        print(f"lightning-nnscaler: {error.filename or ''}: {error.strerror or error}: check the path and its permissions", file=sys.stderr)
-        return 2
+    except Exception as error:
+        if isinstance(error, _one_line_errors()):
+            print(f"lightning-nnscaler: {error}", file=sys.stderr)
+            return 2
+        if isinstance(error, OSError):  # e.g. the output of `ckpt merge` cannot be written
+            print(f"lightning-nnscaler: {error.filename or ''}: {error.strerror or error}: check the path and its permissions", file=sys.stderr)
+            return 2
+        raise
     return 0
 
 

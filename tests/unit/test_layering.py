@@ -13,6 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lightning_nnscaler"
 
 ALLOWED: dict[str, set[str]] = {
     "_compat": set(),
+    "_import_hooks": set(),
     "ir": set(),
     "models": set(),
     "launch": {"runtime"},  # runtime.failures: the first failing rank, named across ranks
@@ -34,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "draw": {"ir", "materialize", "schedules", "explain"},
     "app": {"data", "draw", "explain", "parallelize", "plans", "strategy"},
     "train": {"app"},
-    "cli": {"ir", "plans", "checkpoint", "parallelize", "app"},
+    "cli": {"ir", "plans", "recipes", "checkpoint", "parallelize", "app"},
 }
 
 

@@ -1,0 +1,129 @@
+"""``lightning-nnscaler --help`` and ``lightning-nnscaler recipes`` start at once: they import neither
+torch nor Lightning. And ``import lightning_nnscaler``, which imports neither, still registers the
+strategies with Lightning's ``StrategyRegistry`` in either import order.
+
+The start-up check is on what the process imported (robust on a loaded machine); the wall and CPU
+time it took is in the assertion message, and ``benchmarks/import_time.py`` measures it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_nnscaler.cli import recipe_line
+from lightning_nnscaler.plans.catalog import list_recipes
+from lightning_nnscaler.recipes.summaries import built_in_summaries
+
+HEAVY_MODULES = ("torch", "lightning", "lightning.pytorch", "torchvision", "numpy")
+
+_RUN_CLI_THEN_REPORT = """\
+import json, runpy, sys
+sys.argv[1:] = {arguments!r}
+try:
+    runpy.run_module("lightning_nnscaler.cli", run_name="__main__", alter_sys=True)
+except SystemExit as exit:
+    status = exit.code or 0
+with open({report!r}, "w") as report:
+    json.dump({{"status": status, "imported": [name for name in {heavy!r} if name in sys.modules]}}, report)
+"""
+
+# On this project's CPU torch, a bare `import lightning` needs the torchvision fix first: load it by path.
+_FIX_WITHOUT_THE_PACKAGE = """\
+import importlib.util, os
+package = importlib.util.find_spec("lightning_nnscaler")
+spec = importlib.util.spec_from_file_location("_lnn_compat", os.path.join(package.submodule_search_locations[0], "_compat.py"))
+compat = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(compat)
+compat.declare_torchvision_ops_when_its_kernels_cannot_load()
+"""
+
+_CHECK_REGISTRY = """
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning_nnscaler import NnScalerStrategy
+missing = [name for name in ("nnscaler", "nnscaler_spawn", "nnscaler_dp", "nnscaler_tp", "nnscaler_zero3") if name not in StrategyRegistry]
+assert not missing, f"not registered: {missing}"
+assert StrategyRegistry["nnscaler_tp"]["strategy"] is NnScalerStrategy
+"""
+
+_BUILD_TRAINERS = """
+import lightning
+for name in ("nnscaler", "nnscaler_tp"):
+    trainer = lightning.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
+    assert isinstance(trainer.strategy, NnScalerStrategy), (name, trainer.strategy)
+print("registered")
+"""
+
+IMPORT_ORDERS = {
+    "lightning_nnscaler first": "import lightning_nnscaler\nimport lightning.pytorch\n" + _CHECK_REGISTRY + _BUILD_TRAINERS,
+    "lightning.pytorch first": _FIX_WITHOUT_THE_PACKAGE + "import lightning.pytorch\nimport lightning_nnscaler\n" + _CHECK_REGISTRY + _BUILD_TRAINERS,
+    "the strategy class first": "from lightning_nnscaler import NnScalerStrategy\n" + _CHECK_REGISTRY + "print('registered')\n",
+    # parallelize imports Lightning, and registering imports parallelize: it waits until parallelize is complete
+    "a module that imports Lightning first": "from lightning_nnscaler.parallelize import Plan\n" + _CHECK_REGISTRY + "print('registered')\n",
+}
+
+
+def run_timed(arguments: list[str], stdout: Path) -> tuple[int, float, float]:
+    """``(exit status, wall seconds, CPU seconds of the child)`` of ``python arguments``, stdout to a file."""
+    with stdout.open("w") as output:
+        start = time.perf_counter()
+        process = subprocess.Popen([sys.executable, *arguments], stdout=output, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(process.pid, 0)
+        wall = time.perf_counter() - start
+    return os.waitstatus_to_exitcode(status), wall, usage.ru_utime + usage.ru_stime
+
+
+@pytest.mark.parametrize("arguments", [["--help"], ["recipes"]], ids=" ".join)
+def test_help_and_recipes_import_neither_torch_nor_lightning(arguments: list[str], tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    code = _RUN_CLI_THEN_REPORT.format(arguments=arguments, report=str(report), heavy=HEAVY_MODULES)
+    exit_status, wall, cpu = run_timed(["-c", code], tmp_path / "stdout.txt")
+    output = (tmp_path / "stdout.txt").read_text()
+    timing = f"lightning-nnscaler {' '.join(arguments)}: {wall:.2f} s wall, {cpu:.2f} s CPU (user + sys; goal < 2 s)"
+    print(timing)
+    assert exit_status == 0, f"{timing}\n{output[-3000:]}"
+    result = json.loads(report.read_text())
+    assert result == {"status": 0, "imported": []}, f"{timing}; it imported {result['imported']}\n{output[-3000:]}"
+    if arguments == ["recipes"]:
+        built_ins = [recipe_line(spec) for spec in list_recipes() if spec.origin != "register_recipe"]
+        assert output.splitlines() == built_ins, timing
+
+
+def test_the_summaries_read_from_source_are_the_catalogs() -> None:
+    catalog = {spec.name: spec for spec in list_recipes() if spec.origin != "register_recipe"}
+    summaries = built_in_summaries()
+    assert [summary.name for summary in summaries] == list(catalog)
+    for summary in summaries:
+        spec = catalog[summary.name]
+        assert summary.summary == spec.summary, summary.name
+        assert {name: (p.type, p.required, p.default, p.nullable) for name, p in summary.parameters.items()} == {
+            name: (p.type, p.required, p.default, p.nullable) for name, p in spec.parameters.items()
+        }, summary.name
+        assert list(summary.parameters) == list(spec.parameters), summary.name
+
+
+@pytest.mark.parametrize("order", list(IMPORT_ORDERS))
+def test_the_strategies_are_registered_in_either_import_order(order: str) -> None:
+    completed = subprocess.run([sys.executable, "-c", IMPORT_ORDERS[order]], capture_output=True, text=True, timeout=240)
+    assert completed.returncode == 0 and "registered" in completed.stdout, f"{order}:\n{completed.stderr[-4000:]}"
+
+
+def test_every_public_name_is_importable_and_an_attribute() -> None:
+    code = (
+        "import lightning_nnscaler as lnn\n"
+        "from lightning_nnscaler import *\n"
+        "missing = [name for name in lnn.__all__ if getattr(lnn, name, None) is None or globals().get(name) is None]\n"
+        "assert not missing, missing\n"
+        "assert set(lnn.__all__) <= set(dir(lnn))\n"
+        "import sys\n"
+        "assert lnn.parallelize is sys.modules['lightning_nnscaler.parallelize'].parallelize, lnn.parallelize  # not the module\n"
+        "assert lnn.checkpoint is sys.modules['lightning_nnscaler.checkpoint']\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert completed.returncode == 0, completed.stderr[-4000:]
