@@ -27,7 +27,8 @@ runs the adjoint collective); point-to-point messages count the activations a ra
 and the gradients it sends back. Gradient reduction: stage 0 all-reduces the replicated boxes;
 ZeRO reduce-scatters their padded gradients, and all-gathers the padded boxes once per step
 (stage 1 after the optimizer step, stage 3 before the forward: the runtime keeps the gathered box
-through backward, so it does not gather it again there). The scalar loss sum is left out.
+through backward, so it does not gather it again there). The step's loss is summed over every rank in
+one all-reduce, with the sums of the logged values (``logged_values``) in float64 when there are some.
 """
 
 from __future__ import annotations
@@ -90,8 +91,17 @@ def explain_rank(
             continue
         chunk = math.ceil(_numel(box) / replicas) * sizes.get(name, 4)
         _add_replicated(row, zero_stage, size, chunk, replicas)
-    row["communication"] += row["gradient_communication"]
+    row["communication"] += row["gradient_communication"] + _step_sum_bytes(program)
     return row
+
+
+def _step_sum_bytes(program: Program) -> int:
+    """Bytes a rank sends summing the loss (and the logged values' sums) over the world after the step."""
+    outputs = {output.name: output.piece.tensor for each in program.ranks for output in each.outputs}
+    values = [tensor.numel for name, tensor in outputs.items() if name != program.loss]
+    loss = outputs.get(program.loss) if program.loss is not None else None
+    buffer = 8 * (1 + sum(values)) if values else (dtype_bytes(loss.dtype) if loss is not None else 0)
+    return _ring_bytes("all_reduce", program.world_size, buffer)
 
 
 def _add_replicated(row: dict[str, int], zero_stage: int, size: int, chunk: int, replicas: int) -> None:

@@ -35,8 +35,7 @@ class CountingCommunicator:
         return getattr(self.inner, name)
 
     def _count(self, factor: int, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
-        if tensor.numel() > 1:  # the scalar loss sum is left out, as explain leaves it out
-            self.sent += factor * (len(ranks) - 1) * tensor.numel() * tensor.element_size() // len(ranks)
+        self.sent += factor * (len(ranks) - 1) * tensor.numel() * tensor.element_size() // len(ranks)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         self.sent += tensor.numel() * tensor.element_size()
