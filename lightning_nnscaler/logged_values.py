@@ -189,8 +189,8 @@ def _split(graph: Graph, logged: list[str], rows: dict[str, int], keys: dict[str
             shared.append(name)
             continue
         op = producers[name]
-        if any(piece.name in rows for piece in op.tensor_inputs):
-            frontier[name] = op
+        if any(piece.name in rows or (piece.name in batch and piece.tensor.numel > 1) for piece in op.tensor_inputs):
+            frontier[name] = op  # it reduces per-sample values (also where a batch of one row hides the batch dim)
             continue
         tail.add(op.name)
         for piece in op.tensor_inputs:
@@ -276,7 +276,7 @@ def _per_row(graph: Graph, op: Op, rows: dict[str, int], key: str) -> tuple[VTen
     """The rows the frontier op reduces (one value per sample along the returned dim) and what replaces the op."""
     if op.target in _SUMS:
         source = op.tensor_inputs[0]
-        return source, rows[source.name], [op]
+        return source, _batch_dim(source, rows, op, key), [op]
     position = _LOSS_REDUCTION_POSITION.get(op.target)
     reduction = None if position is None else _argument(op, position[0])
     if position is None or reduction != 2:
@@ -293,7 +293,17 @@ def _per_row(graph: Graph, op: Op, rows: dict[str, int], key: str) -> tuple[VTen
     per_row_op = _op(names.op(f"{op.name}_rows"), op.target, tuple(arguments), unreduced, op.kwargs, no_grad=op.no_grad)
     total = replace(op, target="aten.sum.default", args=(unreduced,), kwargs=())
     total = replace(total, annotation=annotate_op(total))
-    return unreduced, rows[target.name], [per_row_op, total]
+    return unreduced, _batch_dim(target, rows, op, key), [per_row_op, total]
+
+
+def _batch_dim(piece: VTensor, rows: dict[str, int], op: Op, key: str) -> int:
+    """The dim of ``piece`` that holds the batch's rows (replica blocks in order)."""
+    if piece.name not in rows:
+        raise LoggedValueError(
+            f"training_step logs {key!r}, reduced over the batch by op {op.name!r} ({op.target}) from %{piece.name}, whose "
+            "rows cannot be told apart by replica (the batch split does not reach it); log it from validation_step"
+        )
+    return rows[piece.name]
 
 
 def _argument(op: Op, position: int) -> Any:

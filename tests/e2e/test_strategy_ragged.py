@@ -1,5 +1,6 @@
 """Batches of varying shape train as under ddp: a ragged last batch (``drop_last=False``) and
-sequence lengths that change between batches get a plan each, over the same parameter pieces."""
+sequence lengths that change between batches get a plan each, over the same parameter pieces; what
+``training_step`` logs reaches the loggers as under ddp."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from lightning_nnscaler.launch import launch
 from lightning_runs import TokenDataset, build_model  # noqa: E402 - tests/e2e is on sys.path
 from ragged_runs import REPLICA_BATCH, SAMPLES, ragged_worker  # noqa: E402
 
-RUNS = [("ddp", False), ("nnscaler", False), ("nnscaler_tp", False), ("nnscaler_tp", True)]
+RUNS = [
+    ("ddp", "fixed"), ("nnscaler", "fixed"), ("nnscaler_tp", "fixed"), ("nnscaler_tp", "varying"),
+    ("ddp", "metrics"), ("nnscaler", "metrics"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +94,20 @@ def test_a_new_shape_is_refused_when_ranks_disagree_or_too_many_shapes_were_plan
     known = [((2, length), (2, length)) for length in range(1, MAX_PLANS + 1)]
     with pytest.raises(MisconfigurationException, match=rf"at most {MAX_PLANS} batch shapes per fit.*Pad variable-length inputs"):
         check_new_signature(signature, known, lambda value: [value])
+
+
+@pytest.mark.timeout(300)
+def test_logged_metrics_reach_the_csv_as_under_ddp(results) -> None:
+    ddp, ours = results[0]["ddp_metrics"]["rows"], results[0]["nnscaler_metrics"]["rows"]
+    assert len(ours) == len(ddp) == 5  # 4 steps (the last one ragged) and the epoch row
+    columns = set(ddp[0])
+    assert {"train_loss", "train_acc_step", "train_acc_epoch", "perplexity", "replica_loss"} <= columns == set(ours[0])
+    for ddp_row, our_row in zip(ddp, ours):
+        for column in sorted(columns):
+            if ddp_row[column] == "":
+                assert our_row[column] == "", f"{column}: logged under nnscaler only"
+                continue
+            assert float(our_row[column]) == pytest.approx(float(ddp_row[column]), rel=1e-5), f"step {ddp_row['step']}: {column}"
+    losses = [float(row["replica_loss"]) for row in ddp if row["replica_loss"]]
+    synced = [float(row["train_loss"]) for row in ddp if row["train_loss"]]
+    assert losses != pytest.approx(synced, rel=1e-5)  # replica_loss is rank 0's own, not the synced mean: both kinds checked
