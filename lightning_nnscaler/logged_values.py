@@ -37,6 +37,7 @@ from lightning_nnscaler.capture.trace import needed_ops
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import Op, resolve_target
 from lightning_nnscaler.ir.rules import annotate_op
+from lightning_nnscaler.ir.rules.networks import POINTWISE_LOSSES
 from lightning_nnscaler.ir.tensor import PTensor, VTensor
 from lightning_nnscaler.plans.propagate import batch_dims
 
@@ -46,11 +47,9 @@ class LoggedValueError(ValueError):
 
 
 _SUMS = ("aten.sum.default", "aten.sum.dim_IntList")
-_LOSS_REDUCTION_POSITION = {  # loss ops: position of ``reduction`` (0 none, 1 mean, 2 sum) and of the per-row target
+_LOSS_REDUCTION_POSITION = {  # loss ops: position of ``reduction`` (0 none, 1 mean, 2 sum) and of an input with the rows
     "aten.cross_entropy_loss.default": (3, 1), "aten.nll_loss_nd.default": (3, 1), "aten.nll_loss.default": (3, 1),
-    "aten.mse_loss.default": (2, 0), "aten.l1_loss.default": (2, 0), "aten.smooth_l1_loss.default": (2, 0),
-    "aten.huber_loss.default": (2, 0), "aten.binary_cross_entropy.default": (3, 0),
-    "aten.binary_cross_entropy_with_logits.default": (4, 0),
+    **{target: (position, 0) for target, position in POINTWISE_LOSSES.items()},
 }
 _SHAPE_OPS = frozenset({
     "aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.squeeze.default", "aten.squeeze.dim",
@@ -286,11 +285,15 @@ def _per_row(graph: Graph, op: Op, rows: dict[str, int], key: str) -> tuple[VTen
             "Log it from validation_step, or compute it from sums and means"
         )
     target = op.tensor_inputs[position[1]]
+    shape = target.shape if op.target not in POINTWISE_LOSSES else tuple(torch.broadcast_shapes(*(piece.shape for piece in op.tensor_inputs)))
     names = _Names(graph)
-    unreduced = names.tensor(f"{op.name}_rows", target.shape, op.outputs[0].tensor.dtype)
-    arguments = list(op.args)
-    arguments[position[0]] = 0
-    per_row_op = _op(names.op(f"{op.name}_rows"), op.target, tuple(arguments), unreduced, op.kwargs, no_grad=op.no_grad)
+    unreduced = names.tensor(f"{op.name}_rows", shape, op.outputs[0].tensor.dtype)
+    arguments, kwargs = list(op.args), dict(op.kwargs)
+    if len(arguments) > position[0]:
+        arguments[position[0]] = 0
+    else:
+        kwargs["reduction"] = 0
+    per_row_op = _op(names.op(f"{op.name}_rows"), op.target, tuple(arguments), unreduced, tuple(kwargs.items()), no_grad=op.no_grad)
     total = replace(op, target="aten.sum.default", args=(unreduced,), kwargs=())
     total = replace(total, annotation=annotate_op(total))
     return unreduced, _batch_dim(target, rows, op, key), [per_row_op, total]
@@ -308,6 +311,7 @@ def _batch_dim(piece: VTensor, rows: dict[str, int], op: Op, key: str) -> int:
 
 def _argument(op: Op, position: int) -> Any:
     return op.args[position] if len(op.args) > position else op.kwargs_dict.get("reduction", 1)
+
 
 
 def _replica_indicator(graph: Graph, names: _Names, replicas: int, count: int) -> VTensor:

@@ -13,6 +13,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from lightning_nnscaler.ir.rules import annotate_op
+from lightning_nnscaler.ir.rules.networks import POINTWISE_LOSSES
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.tensor import PTensor, VTensor
@@ -262,10 +263,29 @@ def _decompose_cross_entropy(converter: _Converter, node: fx.Node, args: Any, kw
     return True
 
 
+def _decompose_pointwise_loss(converter: _Converter, node: fx.Node, args: Any, kwargs: dict, no_grad: bool) -> bool:
+    """mean mse / l1 / smooth-l1 / huber / binary cross-entropy = the summed loss / its element count."""
+    position = POINTWISE_LOSSES[str(node.target)]
+    reduction = args[position] if len(args) > position else kwargs.get("reduction", 1)
+    if reduction != 1:
+        return False
+    count = math.prod(torch.broadcast_shapes(*(arg.shape for arg in args if isinstance(arg, VTensor))))
+    arguments, summed_kwargs = list(args), dict(kwargs)
+    if len(args) > position:
+        arguments[position] = 2
+    else:
+        summed_kwargs["reduction"] = 2
+    value = node.meta["val"]
+    total = converter.emit(f"{node.name}_sum", str(node.target), arguments, summed_kwargs, value, no_grad)
+    converter.values[node] = converter.emit(node.name, "aten.div.Scalar", [total, count], {}, value, no_grad)
+    return True
+
+
 _DECOMPOSITIONS = {
     "aten.mean.dim": _decompose_mean,
     "aten.mean.default": _decompose_mean,
     "aten.cross_entropy_loss.default": _decompose_cross_entropy,
+    **dict.fromkeys(POINTWISE_LOSSES, _decompose_pointwise_loss),
 }
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 
-from lightning_nnscaler.ir.rules.common import _names, _text, exact_value_inputs
+import torch
+
+from lightning_nnscaler.ir.rules.common import _names, _text, argument, exact_value_inputs
 from lightning_nnscaler.ir.rules.registry import register_annotation
 from lightning_nnscaler.ir.op import Op
 
@@ -100,6 +102,28 @@ def _classification_loss(op: Op) -> str | None:
     inputs = [["n" + mark, "c^"] + extra, ["n" + mark] + extra] + [["c^"]] * len(weight)
     out = [] if reduction == 2 else ["n"] + extra
     return _text(inputs, [out])
+
+
+POINTWISE_LOSSES = {
+    "aten.mse_loss.default": 2, "aten.l1_loss.default": 2, "aten.smooth_l1_loss.default": 2, "aten.huber_loss.default": 2,
+    "aten.binary_cross_entropy.default": 3, "aten.binary_cross_entropy_with_logits.default": 4,
+}
+"""Losses computed element by element, then reduced: target -> position of ``reduction`` (0 none, 1 mean, 2 sum)."""
+
+
+@register_annotation(*POINTWISE_LOSSES)
+def _pointwise_loss(op: Op) -> str | None:
+    reduction = argument(op, POINTWISE_LOSSES[op.target], "reduction", 1)
+    if reduction not in (0, 2):
+        return None  # a mean needs the global count: capture rewrites it into sum / count
+    shape = tuple(torch.broadcast_shapes(*(piece.shape for piece in op.tensor_inputs)))
+    fresh = _names()
+    names = [next(fresh) + ("+" if reduction == 2 else "") for _ in shape]
+    inputs = []
+    for piece in op.tensor_inputs:
+        offset = len(shape) - len(piece.shape)
+        inputs.append([names[offset + i] if size == shape[offset + i] else "1" for i, size in enumerate(piece.shape)])
+    return _text(inputs, [[] if reduction == 2 else names])
 
 
 @register_annotation("aten.conv2d.default", "aten.conv1d.default")

@@ -187,21 +187,34 @@ def test_stage_cuts_stay_balanced_when_one_boundary_is_much_lighter_than_the_blo
     assert max(costs) <= 1.5 * sum(costs) / 12, [round(cost / sum(costs), 3) for cost in costs]
 
 
-def test_an_op_the_batch_split_cannot_cut_is_refused_naming_it() -> None:
-    """Lightning's autoencoder example: ``F.mse_loss`` (no batch split) would make each microbatch read all."""
+class LitAutoEncoder(torch.nn.Module):
+    """Lightning's autoencoder example (``F.mse_loss``); ``worst=True`` trains on the largest squared error instead."""
 
-    class LitAutoEncoder(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.encoder = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-            self.decoder = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.ReLU(), torch.nn.Linear(16, 64))
+    def __init__(self, worst: bool = False) -> None:
+        super().__init__()
+        self.worst = worst
+        self.encoder = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        self.decoder = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.ReLU(), torch.nn.Linear(16, 64))
 
-        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-            x = batch[0].view(batch[0].size(0), -1)
-            return torch.nn.functional.mse_loss(self.decoder(self.encoder(x)), x)
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x = batch[0].view(batch[0].size(0), -1)
+        x_hat = self.decoder(self.encoder(x))
+        return (x_hat - x).pow(2).amax() if self.worst else torch.nn.functional.mse_loss(x_hat, x)
 
+
+def test_the_docs_autoencoder_pipelines_its_mean_squared_error() -> None:
+    """Capture writes ``F.mse_loss``'s mean as sum / count, so microbatches cut it as they cut a cross-entropy."""
     torch.manual_seed(0)
-    model, batch = LitAutoEncoder(), (torch.randn(8, 1, 8, 8), torch.zeros(8))
+    batch = (torch.randn(8, 1, 8, 8), torch.zeros(8))
+    plan = lnn.parallelize(LitAutoEncoder(), batch, "1f1b", 2, step="training_step")
+    plan.verify()
+    assert {"aten.mse_loss.default", "aten.div.Scalar"} <= {op.target for op in plan.graph.ops}
+
+
+def test_an_op_the_batch_split_cannot_cut_is_refused_naming_it() -> None:
+    """A loss that is the batch's largest error: each microbatch would have to read every other's."""
+    torch.manual_seed(0)
+    model, batch = LitAutoEncoder(worst=True), (torch.randn(8, 1, 8, 8), torch.zeros(8))
     lnn.parallelize(model, batch, "dp", 2, step="training_step").verify()  # not pipelined: fine
-    with pytest.raises(ValueError, match=r"op 'mse_loss' \(aten.mse_loss.default\) cannot be split along the batch.*register_annotation"):
+    with pytest.raises(ValueError, match=r"op 'amax' \(aten.amax.default\) cannot be split along the batch.*register_annotation"):
         lnn.parallelize(model, batch, "1f1b", 2, step="training_step")
