@@ -66,8 +66,8 @@ class RankFailure:
 
 
 class PeerRankFailed(RuntimeError):
-    """This rank stopped because another rank failed first; names that rank and its error (the
-    communication error this rank saw is chained as the cause)."""
+    """This rank stopped because another rank failed first; names that rank and its error (``launch``
+    chains the communication error this rank saw; the strategy's launcher leaves it out)."""
 
     def __init__(self, rank: int, failure: RankFailure) -> None:
         self.rank = rank

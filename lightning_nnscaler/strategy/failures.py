@@ -24,15 +24,16 @@ REPORT_GRACE_S = 10.0  # rank 0's time to report a child's failure before the wa
 
 
 def run_reporting(rank: Callable[[], int], function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``function(*args, **kwargs)``; an exception goes through ``report_failure`` (a communication failure
-    after another rank's reported error is raised as ``PeerRankFailed`` from it)."""
+    """``function(*args, **kwargs)``; an exception goes through ``report_failure``: a communication failure
+    after another rank's reported error is raised as ``PeerRankFailed`` alone (its message names the
+    communication error in one line; the gloo traceback would only bury the failing rank's error)."""
     try:
         return function(*args, **kwargs)
     except Exception as error:
         reported = report_failure(rank(), error)
         if reported is error:
             raise
-        raise reported from error
+        raise reported from None
 
 
 class _GracefulChildObserver(_ChildProcessObserver):
