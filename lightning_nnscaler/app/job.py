@@ -38,9 +38,7 @@ class JobRecord(Callback):
         self._started = 0.0
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        self._started = time.perf_counter()
-        if not self.step_seconds and trainer.global_rank == 0:  # the strategy plans the first batch: say so
-            print(f"planning the first batch: tracing training_step, recipe {trainer.strategy.recipe}, materializing, generating code ...")
+        self._started = time.perf_counter()  # the strategy reports its planning stages itself
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.step_seconds.append(time.perf_counter() - self._started)
