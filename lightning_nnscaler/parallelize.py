@@ -23,6 +23,7 @@ from lightning_nnscaler.codegen.load import digest
 from lightning_nnscaler.explain import explain_rank, explain_table
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import PROLOGUE
+from lightning_nnscaler.ir.randomness import current_stream
 from lightning_nnscaler.ir.tensor import dtype_bytes
 from lightning_nnscaler.ir.validate import PlanError
 from lightning_nnscaler.logged_values import LoggedValues, plan_logged_values
@@ -107,6 +108,7 @@ class Plan:
         from lightning_nnscaler.runtime.memory_comm import run_ranks
 
         graph_inputs = bind_inputs(self.graph, self.module, self.example_args, step=self.step)
+        stream = current_stream()  # the reference and every rank draw the same random values
         reference = evaluate(self.graph, graph_inputs, backward_from=self.graph.outputs[:1])  # logged values start no backward
         inputs = self.inputs()
         state = {**dict(self.module.named_parameters(remove_duplicate=False)), **dict(self.module.named_buffers(remove_duplicate=False))}
@@ -115,7 +117,7 @@ class Plan:
             rank = communicator.rank
             module = module_from_source(self.sources[rank], f"verify_rank{rank}")
             executor = RankExecutor(module, rank, state, self.graph.constant_values, communicator, input_offsets=self.input_offsets(rank))
-            loss = executor.forward_backward(self.replica_inputs(rank, inputs))
+            loss = executor.forward_backward(self.replica_inputs(rank, inputs), random_stream=stream)
             return float(loss), executor.gradients(), executor.values
 
         results = run_ranks(self.world_size, run_rank, timeout=timeout)

@@ -12,6 +12,7 @@ from torch import fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from lightning_nnscaler.capture.random_ops import RANDOM_HANDLERS
 from lightning_nnscaler.ir.rules import annotate_op
 from lightning_nnscaler.ir.rules.networks import POINTWISE_LOSSES
 from lightning_nnscaler.ir.graph import Graph
@@ -111,6 +112,13 @@ class _Converter:
         args = fx.node.map_arg(node.args, self.values.__getitem__)
         kwargs = fx.node.map_arg(node.kwargs, self.values.__getitem__)
         args, kwargs = _plain(args), _plain(kwargs)
+        random = RANDOM_HANDLERS.get(target)
+        drawn = None if random is None else random(self, node, args, kwargs, no_grad)
+        if drawn is not None:
+            self.values[node] = drawn
+            if node.target._schema.is_mutable:
+                self.write_back(node, node.args[0], drawn, no_grad)
+            return
         if node.target._schema.is_mutable and target == str(node.target):
             self.mutate(node, args, kwargs, no_grad)
             return

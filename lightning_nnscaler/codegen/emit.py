@@ -18,6 +18,7 @@ from lightning_nnscaler.codegen.names import with_safe_names
 from lightning_nnscaler.codegen.recompute import block_lines, recompute_blocks
 from lightning_nnscaler.codegen.segments import boundary_lines, emit_segments, is_boundary
 from lightning_nnscaler.ir.printer import format_argument
+from lightning_nnscaler.ir.randomness import RANDOM_LIKE_OP, RANDOM_OP
 from lightning_nnscaler.materialize.program import Assemble, Collective, Compute, Program, RankOutput, RankProgram, Recv, Send
 
 HEADER = '''"""Rank {rank} of {world_size}: plan {plan_hash} ({label}).
@@ -34,6 +35,13 @@ from lightning_nnscaler.runtime.pieces import assemble, checkpoint, zeros
 aten = torch.ops.aten
 DEVICE = torch.device("cpu")  # the loader sets the rank's device
 '''
+
+
+RANDOM_TARGETS = (RANDOM_OP, RANDOM_LIKE_OP)
+RANDOM_IMPORT = (
+    "from lightning_nnscaler.ir import randomness  # torch.ops.lnn.random*: each piece draws its box of the full random tensor "
+    "from randomness.current_stream() (seed, step, draw), which the executor sets before each step"
+)
 
 
 class CodegenError(ValueError):
@@ -73,6 +81,8 @@ def emit_rank(program: Program, rank: int, plan_hash: str, label: str, zero_stag
     lines.append("]")
     lines.append(f"GROUPS = {program.communication_groups!r}  # every rank creates these, in this order")
     lines.append(f"ZERO_STAGE = {zero_stage}  # replicated boxes: 0 all-reduce, 1 sharded optimizer state, 3 sharded at rest")
+    if any(isinstance(action, Compute) and action.op.target in RANDOM_TARGETS for action in rank_program.actions):
+        lines.append(RANDOM_IMPORT)
     if program.pipelined:
         if schedule is None:
             raise CodegenError(f"rank {rank}: a pipelined program needs its schedule (the rank's list of F/B/W actions)")

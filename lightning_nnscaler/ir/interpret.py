@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from lightning_nnscaler.ir.graph import Graph
+from lightning_nnscaler.ir import randomness  # noqa: F401 - registers the random ops (torch.ops.lnn.random*)
 from lightning_nnscaler.ir.op import Op, resolve_target
 from lightning_nnscaler.ir.tensor import VTensor, covers_exactly
 

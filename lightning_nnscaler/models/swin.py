@@ -41,6 +41,9 @@ class SwinConfig:
     """Number of output classes."""
     dropout: float = 0.0
     """Dropout probability on residual branches; 0 keeps runs deterministic."""
+    drop_path: float = 0.0
+    """Stochastic depth: the probability that a sample skips a block's residual branches, rising
+    linearly from 0 at the first block to this value at the last (timm's ``drop_path_rate``)."""
     learning_rate: float = 1e-3
     """AdamW learning rate."""
 
@@ -152,8 +155,9 @@ class WindowAttention(nn.Module):
 class SwinBlock(nn.Module):
     """Pre-LN block: (shifted) window attention, then MLP, both residual."""
 
-    def __init__(self, dim: int, heads: int, resolution: int, window: int, shift: int, config: SwinConfig) -> None:
+    def __init__(self, dim: int, heads: int, resolution: int, window: int, shift: int, config: SwinConfig, drop_path: float = 0.0) -> None:
         super().__init__()
+        self.drop_path = drop_path
         self.resolution = resolution
         self.window = window
         self.shift = shift
@@ -176,8 +180,20 @@ class SwinBlock(nn.Module):
         y = window_reverse(y, self.window, H, W)  # (B, H, W, C)
         if self.shift > 0:
             y = torch.roll(y, shifts=(self.shift, self.shift), dims=(1, 2))
-        x = x + self.dropout(y.reshape(B, L, C))
-        return x + self.mlp(self.norm2(x))
+        x = x + drop_path(self.dropout(y.reshape(B, L, C)), self.drop_path, self.training)
+        return x + drop_path(self.mlp(self.norm2(x)), self.drop_path, self.training)
+
+
+def drop_path(x: Tensor, probability: float, training: bool) -> Tensor:
+    """Stochastic depth (timm's ``drop_path``): zero whole samples of a residual branch with
+    ``probability``, scaling the kept ones by ``1 / (1 - probability)``; identity outside training."""
+    if probability == 0.0 or not training:
+        return x
+    keep = 1.0 - probability
+    kept = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)  # (B, 1, ..., 1)
+    if keep > 0.0:
+        kept.div_(keep)
+    return x * kept
 
 
 class PatchMerging(nn.Module):
@@ -209,11 +225,12 @@ class Swin(L.LightningModule):
         self.patch_norm = nn.LayerNorm(dim)
         stages: list[nn.Module] = []
         layout = zip(config.depths, config.heads, config.stage_resolutions, strict=True)
+        rates = iter(torch.linspace(0, config.drop_path, sum(config.depths)).tolist())
         for stage, (depth, heads, resolution) in enumerate(layout):
             window = min(config.window_size, resolution)
             shift = window // 2 if resolution > window else 0  # one window covers the grid: nothing to shift
             blocks: list[nn.Module] = [  # odd blocks attend over shifted windows
-                SwinBlock(dim, heads, resolution, window, shift if index % 2 else 0, config) for index in range(depth)
+                SwinBlock(dim, heads, resolution, window, shift if index % 2 else 0, config, next(rates)) for index in range(depth)
             ]
             if stage < len(config.depths) - 1:
                 blocks.append(PatchMerging(dim, resolution))

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from lightning_nnscaler.ir.box import Box, PieceLocation, region
+from lightning_nnscaler.ir.randomness import RandomStream, set_stream
 from lightning_nnscaler.runtime import autograd_comm as comm
 from lightning_nnscaler.runtime.comm import AsyncHandle, Communicator
 from lightning_nnscaler.runtime.pipeline import PipelineRun
@@ -170,7 +171,8 @@ class RankExecutor:
         return shards
 
     def forward_backward(
-        self, inputs: dict[str, torch.Tensor], *, backward: bool = True, loss_scale: float | torch.Tensor = 1.0, reduce_gradients: bool = True
+        self, inputs: dict[str, torch.Tensor], *, backward: bool = True, loss_scale: float | torch.Tensor = 1.0, reduce_gradients: bool = True,
+        random_stream: RandomStream = RandomStream(),
     ) -> torch.Tensor:
         """One step's forward and backward on this rank; returns the whole loss (same on every rank).
 
@@ -186,7 +188,10 @@ class RankExecutor:
                 passed as a tensor so that reading it never waits for the device).
             reduce_gradients: False keeps the replicated gradients local (DDP's ``no_sync``, for all
                 but the last batch of an accumulation window); the next reducing step sums them.
+            random_stream: The (seed, step, draw) the step's random ops (dropout masks) draw from:
+                set for the process before the step runs (``ir.randomness``).
         """
+        set_stream(random_stream)
         if backward:
             self.reducer.before_forward()
         held = dict(self.held)

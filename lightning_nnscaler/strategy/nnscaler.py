@@ -43,6 +43,7 @@ replicas; each rank's generated code reads its pieces out of its replica's batch
 
 from __future__ import annotations
 
+import os
 import signal
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
@@ -70,6 +71,7 @@ from typing_extensions import override
 
 from lightning_nnscaler.codegen import module_from_source
 from lightning_nnscaler.ir.box import PieceLocation
+from lightning_nnscaler.ir.randomness import RandomStream
 from lightning_nnscaler.parallelize import Plan
 from lightning_nnscaler.plans.catalog import on_register
 from lightning_nnscaler.runtime import TorchDistributedCommunicator
@@ -348,9 +350,11 @@ class NnScalerStrategy(ParallelStrategy):
         reduce = not trainer.fit_loop._should_accumulate()
         # Lightning's zero_grad comes between training_step and backward on a window's first batch.
         first_of_window = batch_idx % trainer.accumulate_grad_batches == 0
+        stream = random_stream(trainer.global_step, batch_idx % trainer.accumulate_grad_batches)
         with self.precision_plugin.train_step_context():
             loss = self._gradient_stash.run_step(
-                lambda: self.executor.forward_backward(inputs, loss_scale=scale, reduce_gradients=reduce), zero_grad_follows=first_of_window
+                lambda: self.executor.forward_backward(inputs, loss_scale=scale, reduce_gradients=reduce, random_stream=stream),
+                zero_grad_follows=first_of_window,
             )
         if self.plan.logged is not None:  # what training_step logs, this rank's replica's values (as under DDP)
             replica = self.plan.data_layout.replica(self.global_rank)
@@ -543,3 +547,10 @@ class NnScalerStrategy(ParallelStrategy):
             f"nnscaler_{spec.name}", cls, description=f"nnScaler strategy, recipe {spec.name}: {spec.summary}",
             override=True, recipe=spec.name,
         ))  # catalog recipes now, recipes registered with `register_recipe` later
+
+
+def random_stream(step: int, draw: int) -> RandomStream:
+    """The stream of a training batch's random ops: ``seed_everything``'s seed (``PL_GLOBAL_SEED``, 0
+    without one), the optimizer step and the batch's index in its accumulation window, so a run
+    resumed from a checkpoint (same ``global_step``) draws what the uninterrupted run would have."""
+    return RandomStream(seed=int(os.environ.get("PL_GLOBAL_SEED", 0)), step=step, draw=draw)

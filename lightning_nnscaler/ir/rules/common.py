@@ -93,7 +93,7 @@ register_annotation(
     "aten.minimum.default", "aten.min.other", "aten.max.other", "aten.where.ScalarOther", "aten.where.ScalarSelf",
     "aten.fill.Scalar", "aten.clamp.default", "aten.clamp_min.default", "aten.clamp_max.default",
     "aten.gelu_backward.default", "aten.zeros_like.default", "aten.ones_like.default", "aten.empty_like.default",
-    "aten.full_like.default", "aten.rand_like.default", "aten.randn_like.default", "aten.bernoulli.p",
+    "aten.full_like.default",
     "aten.broadcast_tensors.default",  # each output is its input broadcast to the common shape (mse_loss's prelude)
 )(lambda op: _broadcast(op))
 
@@ -102,7 +102,7 @@ for _name in _LINEAR_UNARY:
     register_annotation(f"aten.{_name}.default")(lambda op: _broadcast(op, value=(0,)))
 register_annotation(
     "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten.mul.Scalar", "aten.div.Scalar",
-    "aten.dropout.default",
+    "aten.dropout.default",  # capture keeps only dropouts that draw nothing (p = 0 or eval); others become ``lnn.random``
 )(lambda op: _broadcast(op, value=(0,)))
 
 

@@ -12,6 +12,7 @@ from typing import Any, Callable
 from lightning_nnscaler.ir.rules.common import _broadcast, _names, _normalized_dims, _text, argument, exact_value_inputs
 from lightning_nnscaler.ir.rules.registry import register_annotation
 from lightning_nnscaler.ir.op import Op
+from lightning_nnscaler.ir.randomness import RANDOM_LIKE_OP, RANDOM_OP
 from lightning_nnscaler.ir.tensor import VTensor
 
 
@@ -303,3 +304,30 @@ def _arange_rewrite(piece: Op) -> Op:
 
 register_annotation("aten.arange.default", "aten.arange.start", "aten.arange.start_step", rewrite=_arange_rewrite)(_factory)
 register_annotation("aten.scalar_tensor.default")(_factory)
+
+
+def _box_offsets(piece: Op, offset: list[int]) -> list[int]:
+    return [start + low for start, (low, _) in zip(offset, piece.outputs[0].index.ranges)]
+
+
+def _random_rewrite(piece: Op) -> Op:
+    """A piece of a random factory draws its own box of the full tensor (``ir.randomness``)."""
+    _, offset, *rest = piece.args
+    return replace(piece, args=(list(piece.outputs[0].shape), _box_offsets(piece, offset), *rest))
+
+
+def _random_like_rewrite(piece: Op) -> Op:
+    """A piece of a random op shaped like its template draws its own box of the full tensor."""
+    template, offset, *rest = piece.args
+    return replace(piece, args=(template, _box_offsets(piece, offset), *rest))
+
+
+@register_annotation(RANDOM_LIKE_OP, rewrite=_random_like_rewrite)
+def _random_like(op: Op) -> str:
+    # Only the template's shape is read: the output follows its dims, no value flows.
+    fresh = _names()
+    names = [next(fresh) for _ in op.outputs[0].shape]
+    return _text([names], [names])
+
+
+register_annotation(RANDOM_OP, rewrite=_random_rewrite)(_factory)
