@@ -222,9 +222,24 @@ class _Converter:
                 )
 
 
-def _rows(parameter: VTensor, rows: tuple[int, int]) -> VTensor:
-    """Rows ``[start, stop)`` of a (whole) parameter, as a box of it."""
-    return replace(parameter, index=IndexMask((rows,) + parameter.index.ranges[1:]))
+def _rows(piece: VTensor, rows: tuple[int, int]) -> VTensor:
+    """Rows ``[start, stop)`` of a piece (counted from its first row), as a box of its tensor."""
+    first = piece.index.ranges[0][0]
+    return replace(piece, index=IndexMask(((first + rows[0], first + rows[1]),) + piece.index.ranges[1:]))
+
+
+def _decompose_parameter_split(converter: _Converter, node: fx.Node, args: Any, kwargs: dict, no_grad: bool) -> bool:
+    """A split of a parameter's rows (``w_q, w_kv = in_proj_weight.split([E, 2E])``) is its boxes: no op."""
+    source = args[0]
+    if not isinstance(source, VTensor) or source.tensor.role != "parameter" or not source.is_full:
+        return False
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    if int(dim) % len(source.shape) != 0:
+        return False
+    sizes = args[1] if isinstance(args[1], (list, tuple)) else [min(int(args[1]), source.shape[0] - start) for start in range(0, source.shape[0], int(args[1]))]
+    starts = [sum(sizes[:index]) for index in range(len(sizes))]
+    converter.values[node] = tuple(_rows(source, (start, start + int(size))) for start, size in zip(starts, sizes))
+    return True
 
 
 def _slice_back(base: VTensor, value: VTensor, args: list[Any]) -> tuple[str, list[Any]]:
@@ -324,6 +339,8 @@ def _decompose_pointwise_loss(converter: _Converter, node: fx.Node, args: Any, k
 
 
 _DECOMPOSITIONS = {
+    "aten.split_with_sizes.default": _decompose_parameter_split,
+    "aten.split.Tensor": _decompose_parameter_split,
     "aten.mean.dim": _decompose_mean,
     "aten.mean.default": _decompose_mean,
     "aten.cross_entropy_loss.default": _decompose_cross_entropy,

@@ -7,7 +7,8 @@ and ``B·H`` puts the heads in the inner factor of a merged dim. Two exact rewri
 
 - `packed_projections`: ``linear(x, W, b).unflatten(-1, (n, E)).unsqueeze(0).transpose(0, -2)
   .squeeze(-2).contiguous()[i]`` becomes ``linear(x, W[iE:(i+1)E], b[iE:(i+1)E])``: ``n`` linears,
-  each reading its box of the packed parameters (no op cuts it out), so a split by output features
+  each reading its box of the packed parameters (no op cuts it out; nor does a ``split`` of a
+  parameter's rows, as in cross-attention's ``w_q, w_kv = w.split([E, 2E])``), so a split by output features
   gives each rank exactly its heads' rows of q, k and v, and their gradients land in those rows.
 - `head_views`: ``x.view(L, B·H, D).transpose(0, 1).view(B, H, L, D)`` becomes
   ``x.view(L, B, H, D).permute(1, 2, 0, 3)``: the same tensor, with the heads a dim of their own.
@@ -15,6 +16,7 @@ and ``B·H`` puts the heads in the inner factor of a merged dim. Two exact rewri
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -76,15 +78,26 @@ def packed_projections(graph: fx.Graph, parameters: set[fx.Node]) -> list[Packed
     ``F.multi_head_attention_forward``'s ``_in_projection_packed``."""
     found = []
     for node in graph.nodes:
-        if not _is_call(node, LINEAR) or node.args[1] not in parameters:
+        if not _is_call(node, LINEAR) or not _parameter_rows(node.args[1], parameters):
             continue
         bias = node.args[2] if len(node.args) > 2 else None
-        if bias is not None and bias not in parameters:
+        if bias is not None and not _parameter_rows(bias, parameters):
             continue
         projection = _unpacked(node)
         if projection is not None:
             found.append(projection)
     return found
+
+
+def _parameter_rows(node: fx.Node, parameters: set[fx.Node]) -> bool:
+    """Whether ``node`` is a parameter, or rows of one split off along dim 0 (which the capture holds as a box)."""
+    if node in parameters:
+        return True
+    split = node.args[0] if node.target is operator.getitem else None
+    if not isinstance(split, fx.Node) or split.target not in (torch.ops.aten.split_with_sizes.default, torch.ops.aten.split.Tensor):
+        return False
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    return split.args[0] in parameters and int(dim) % len(_shape(split.args[0])) == 0
 
 
 def _unpacked(linear: fx.Node) -> PackedProjection | None:

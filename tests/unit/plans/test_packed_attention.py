@@ -70,6 +70,23 @@ class EncoderLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
+class DecoderLM(nn.Module):
+    """nn.Embedding, a pre-LN nn.TransformerDecoder over its own embeddings (self- and cross-attention), an LM head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, HIDDEN)
+        layer = nn.TransformerDecoderLayer(HIDDEN, HEADS, 4 * HIDDEN, dropout=0.0, batch_first=True, norm_first=True)
+        self.decoder = nn.TransformerDecoder(layer, 1)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int = 0) -> torch.Tensor:
+        tokens, targets = batch
+        embedded = self.embedding(tokens)
+        logits = self.head(self.decoder(embedded, embedded))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "mha": MultiheadAttentionLM,
     "encoder_pre_ln": lambda: EncoderLM(norm_first=True),
@@ -114,6 +131,19 @@ def test_split_by_heads_matches_one_device_and_each_rank_holds_its_heads(name: s
     for elements in held_elements(plan):
         for key in split:
             assert elements[key] == sizes[key].numel() // world_size, key
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_decoder_cross_attention_splits_its_q_and_packed_kv_by_heads(recipe: str) -> None:
+    torch.manual_seed(0)
+    model = DecoderLM()
+    _, batch = model_and_batch("mha")
+    plan = lnn.parallelize(model, batch, recipe, 4, step="training_step", **RECIPES[recipe])
+    plan.verify()
+    for elements in held_elements(plan):
+        for key in ("decoder.layers.0.self_attn.in_proj_weight", "decoder.layers.0.multihead_attn.in_proj_weight", "decoder.layers.0.multihead_attn.out_proj.weight"):
+            assert elements[key] == model.state_dict()[key].numel() // 4, key
 
 
 def test_each_rank_holds_three_boxes_of_the_packed_weight() -> None:
