@@ -12,12 +12,13 @@ from torch import fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from lightning_nnscaler.capture.packed import HeadView, PackedProjection, head_views, packed_projections
 from lightning_nnscaler.capture.random_ops import RANDOM_HANDLERS
 from lightning_nnscaler.ir.rules import annotate_op
 from lightning_nnscaler.ir.rules.networks import POINTWISE_LOSSES
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import Op
-from lightning_nnscaler.ir.tensor import PTensor, VTensor
+from lightning_nnscaler.ir.tensor import IndexMask, PTensor, VTensor
 
 
 class CaptureError(RuntimeError):
@@ -47,6 +48,8 @@ class _Converter:
         self.values: dict[fx.Node, Any] = {}
         self.op_names: set[str] = set()
         self.view_bases: dict[fx.Node, fx.Node] = {}
+        self.rewrites: dict[fx.Node, PackedProjection | HeadView] = {}
+        self.skipped: set[fx.Node] = set()
 
     def unique(self, name: str, taken: Any) -> str:
         candidate, index = name, 1
@@ -62,6 +65,7 @@ class _Converter:
     def run(self) -> Graph:
         signature = self.exported.graph_signature
         specs = {spec.arg.name: spec for spec in signature.input_specs if hasattr(spec.arg, "name")}
+        self.plan_rewrites({node for node in self.exported.graph.nodes if node.op == "placeholder" and specs[node.name].kind == InputKind.PARAMETER})
         for node in self.exported.graph.nodes:
             if node.op == "placeholder":
                 self.placeholder(node, specs[node.name])
@@ -70,6 +74,33 @@ class _Converter:
             elif node.op == "output":
                 self.output(node, signature)
         return self.graph
+
+    def plan_rewrites(self, parameters: set[fx.Node]) -> None:
+        """Find the packed q/k/v projections and ``B·H`` head views to capture by heads (see ``capture.packed``)."""
+        graph = self.exported.graph
+        for rewrite in [*packed_projections(graph, parameters), *head_views(graph)]:
+            first = rewrite.linear if isinstance(rewrite, PackedProjection) else rewrite.first
+            self.rewrites[first] = rewrite
+            self.skipped.update(rewrite.skipped)
+            if isinstance(rewrite, PackedProjection):
+                self.skipped.update(rewrite.parts)
+
+    def packed_projection(self, projection: PackedProjection, no_grad: bool) -> None:
+        """One linear per part, each reading its rows of the packed weight and bias."""
+        node, size = projection.linear, projection.size
+        inputs = [self.values[arg] for arg in node.args[:3]]
+        source, weight, bias = (inputs + [None])[:3]
+        for index, part in enumerate(projection.parts):
+            rows = (index * size, (index + 1) * size)
+            arguments = [source, _rows(weight, rows)] + ([_rows(bias, rows)] if bias is not None else [])
+            self.values[part] = self.emit(f"{node.name}_{'qkv'[index] if len(projection.parts) == 3 else index}", "aten.linear.default", arguments, {}, part.meta["val"], no_grad)
+
+    def head_view(self, chain: HeadView, no_grad: bool) -> None:
+        """``view(L, B, H, D).permute(1, 2, 0, 3)`` in place of the ``B·H`` views."""
+        source = self.values[chain.first.args[0]]
+        value = chain.first.meta["val"]
+        heads = self.emit(chain.first.name, "aten.view.default", [source, list(chain.heads_shape)], {}, value.new_empty(chain.heads_shape), no_grad)
+        self.values[chain.last] = self.emit(f"{chain.first.name}_heads", "aten.permute.default", [heads, [1, 2, 0, 3]], {}, chain.last.meta["val"], no_grad)
 
     def placeholder(self, node: fx.Node, spec: Any) -> None:
         role = _ROLE.get(spec.kind)
@@ -97,6 +128,12 @@ class _Converter:
             self.graph.outputs.append(piece.name)
 
     def call(self, node: fx.Node, owner: fx.GraphModule, no_grad: bool) -> None:
+        if node in self.skipped:
+            return
+        rewrite = self.rewrites.get(node)
+        if rewrite is not None:
+            (self.packed_projection if isinstance(rewrite, PackedProjection) else self.head_view)(rewrite, no_grad)  # type: ignore[arg-type]
+            return
         if node.target is operator.getitem:
             self.values[node] = self.values[node.args[0]][node.args[1]]
             return
@@ -191,6 +228,26 @@ class _Converter:
                     f"op {mutation.name!r} ({mutation.target}) changes {target.name!r} in place while its view {view.name!r} "
                     "is read afterwards; write it out of place"
                 )
+
+
+def _rows(piece: VTensor, rows: tuple[int, int]) -> VTensor:
+    """Rows ``[start, stop)`` of a piece (counted from its first row), as a box of its tensor."""
+    first = piece.index.ranges[0][0]
+    return replace(piece, index=IndexMask(((first + rows[0], first + rows[1]),) + piece.index.ranges[1:]))
+
+
+def _decompose_parameter_split(converter: _Converter, node: fx.Node, args: Any, kwargs: dict, no_grad: bool) -> bool:
+    """A split of a parameter's rows (``w_q, w_kv = in_proj_weight.split([E, 2E])``) is its boxes: no op."""
+    source = args[0]
+    if not isinstance(source, VTensor) or source.tensor.role != "parameter" or not source.is_full:
+        return False
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    if int(dim) % len(source.shape) != 0:
+        return False
+    sizes = args[1] if isinstance(args[1], (list, tuple)) else [min(int(args[1]), source.shape[0] - start) for start in range(0, source.shape[0], int(args[1]))]
+    starts = [sum(sizes[:index]) for index in range(len(sizes))]
+    converter.values[node] = tuple(_rows(source, (start, start + int(size))) for start, size in zip(starts, sizes))
+    return True
 
 
 def _slice_back(base: VTensor, value: VTensor, args: list[Any]) -> tuple[str, list[Any]]:
@@ -290,6 +347,8 @@ def _decompose_pointwise_loss(converter: _Converter, node: fx.Node, args: Any, k
 
 
 _DECOMPOSITIONS = {
+    "aten.split_with_sizes.default": _decompose_parameter_split,
+    "aten.split.Tensor": _decompose_parameter_split,
     "aten.mean.dim": _decompose_mean,
     "aten.mean.default": _decompose_mean,
     "aten.cross_entropy_loss.default": _decompose_cross_entropy,

@@ -5,7 +5,9 @@ piece on the same rank is used as is; otherwise each overlapping box is fetched 
 or a send on its producer's rank and a receive here), placed into the piece, and value parts are
 added up. A value part ``k > 0`` of a whole tensor is exact zeros and needs no data. Graph inputs
 (parameters, buffers, constants, user inputs) are held locally: each rank holds the bounding box
-of what its ops read, and ranks holding the same parameter box form a gradient group.
+of what its ops read — one box per group of pieces that overlap or tile a box, so a rank reading
+rows far apart (its heads' rows of q, k and v in a packed in_proj weight) holds only those — and
+ranks holding the same parameter box form a gradient group.
 
 Pipelined plans (ops carry a ``segment``): a rank's variables live in the function of their
 segment, so pieces are looked up per segment (the prologue's and the held inputs are visible to
@@ -17,6 +19,7 @@ rank's prologue, once.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import defaultdict
 
 from lightning_nnscaler.ir.graph import Graph
@@ -69,7 +72,7 @@ class _Builder:
         self.written: dict[str, list[tuple[VTensor, int, str, float]]] = defaultdict(list)
         self.cache: list[dict[PieceKey, str]] = [{} for _ in range(world_size)]
         self.used_names: list[set[str]] = [set() for _ in range(world_size)]
-        self.held: dict[tuple[int, str], tuple[str, IndexMask]] = {}
+        self.held: dict[tuple[int, str], list[tuple[str, IndexMask]]] = defaultdict(list)
         self.tags = itertools.count(1)
         self.segment_of: dict[tuple[int, str], Segment] = {}  # (rank, variable) -> segment defining it
         self.prologue_received: dict[tuple[int, str, tuple, int], str] = {}
@@ -123,21 +126,23 @@ class _Builder:
                 if self.graph.tensors[piece.name].role != "activation" and piece.value.part == 0:
                     needed[piece.name][op.device].append(piece.index)
         for name, by_rank in needed.items():
-            boxes = {rank: _bounding(masks) for rank, masks in by_rank.items()}
+            boxes = {rank: _held_boxes(masks) for rank, masks in by_rank.items()}
             if self.graph.tensors[name].role == "parameter":
                 boxes = _merge_partial_overlaps(boxes)
             tensor = self.graph.tensors[name]
-            for rank, box in sorted(boxes.items()):
-                var = self.var(rank, name)
-                self.held[(rank, name)] = (var, box)
-                self.programs[rank].inputs.append(LocalTensor(var, name, tensor.state_key, box_of(box), tensor.role))
+            for rank, rank_boxes in sorted(boxes.items()):
+                for box in rank_boxes:
+                    var = self.var(rank, name)
+                    self.held[(rank, name)].append((var, box))
+                    self.programs[rank].inputs.append(LocalTensor(var, name, tensor.state_key, box_of(box), tensor.role))
 
     def gradient_groups(self) -> list[GradientGroup]:
         groups: dict[tuple[str, tuple], list[int]] = defaultdict(list)
-        for (rank, name), (_, box) in sorted(self.held.items()):
+        for (rank, name), held in sorted(self.held.items()):
             tensor = self.graph.tensors[name]
             if tensor.role == "parameter" and tensor.requires_grad:
-                groups[(name, box_of(box))].append(rank)
+                for _, box in held:
+                    groups[(name, box_of(box))].append(rank)
         return [GradientGroup(name, self.graph.tensors[name].state_key or name, box, tuple(ranks)) for (name, box), ranks in groups.items()]
 
     # --- pieces ---------------------------------------------------------------------------------
@@ -167,7 +172,7 @@ class _Builder:
     def slice_held(self, rank: int, piece: VTensor, position: int, segment: Segment = None) -> str:
         if piece.value.part > 0:
             return self.zeros(rank, piece, position, segment)
-        held_var, box = self.held[(rank, piece.name)]
+        held_var, box = next((var, box) for var, box in self.held[(rank, piece.name)] if piece.index.intersect(box) == piece.index)
         if piece.index == box:
             return held_var
         region = piece.index.slices_within(box)
@@ -387,8 +392,31 @@ def _choose_holder(holders: list[tuple[VTensor, int, str, float]], rank: int) ->
     return ordered[rank % len(ordered)]
 
 
-def _merge_partial_overlaps(boxes: dict[int, IndexMask]) -> dict[int, IndexMask]:
-    distinct = {box: box for box in boxes.values()}  # box -> the box it grows into
+def _held_boxes(masks: list[IndexMask]) -> list[IndexMask]:
+    """The boxes a rank holds to read ``masks``: the bounding box of each group of masks that
+    overlap or, side by side, tile their bounding box (one box, as before, unless the pieces lie apart)."""
+    boxes = list(dict.fromkeys(masks))
+    merged = True
+    while merged:
+        merged = False
+        for first, second in itertools.combinations(boxes, 2):
+            bounding = _bounding([first, second])
+            tiles = _volume(bounding) == _volume(first) + _volume(second)
+            if first.intersect(second) is not None or tiles:
+                boxes = [box for box in boxes if box not in (first, second)] + [bounding]
+                merged = True
+                break
+    return sorted(boxes, key=lambda box: box.ranges)
+
+
+def _volume(box: IndexMask) -> int:
+    return math.prod(box.shape)
+
+
+def _merge_partial_overlaps(boxes: dict[int, list[IndexMask]]) -> dict[int, list[IndexMask]]:
+    """Parameter boxes of different ranks that partially overlap grow to their union, so that
+    every two held boxes are equal or disjoint (gradient groups are exact)."""
+    distinct = {box: box for rank_boxes in boxes.values() for box in rank_boxes}  # box -> the box it grows into
     changed = True
     while changed:
         changed = False
@@ -400,7 +428,7 @@ def _merge_partial_overlaps(boxes: dict[int, IndexMask]) -> dict[int, IndexMask]
                         distinct[original] = merged
                 changed = True
                 break
-    return {rank: distinct[box] for rank, box in boxes.items()}
+    return {rank: sorted({distinct[box] for box in rank_boxes}, key=lambda box: box.ranges) for rank, rank_boxes in boxes.items()}
 
 
 def _first(names: list[str]) -> str:

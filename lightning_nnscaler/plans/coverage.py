@@ -37,7 +37,7 @@ from lightning_nnscaler.plans.propagate import Refusal
 
 ATTENTION = "aten.scaled_dot_product_attention.default"
 _DIM_MEANINGS = {("aten.linear.default", "n"): "out features", ("aten.linear.default", "k"): "in features"}
-_PACKED_QKV = "q, k, v packed in one in_proj weight, as in nn.MultiheadAttention: a split by heads would mix them"
+_PACKED_QKV = "q, k, v packed in one projection: a split by heads would mix them"
 _SEARCH_DEPTH = 6  # ops between a refused op and its attention (q_proj -> view -> transpose -> attention)
 _MAX_MODULES = 4  # modules named per line before "and N more"
 
@@ -138,7 +138,7 @@ def check_coverage(
     if all(_Neighbours(original).packs_qkv(refusal) for refusal in unique):
         raise RecipeError(
             f"{report.summary()}.\nTo fix: give the attention separate q, k and v linears (as "
-            "lightning_nnscaler.models.gpt does), or pass allow_partial=True to keep these attention modules whole "
+            "lightning_nnscaler.models.gpt does) or use nn.MultiheadAttention (its packed in_proj is captured by heads), or pass allow_partial=True to keep these attention modules whole "
             "(replicated) and split the rest (a PartialPlanWarning then says how much of the model was split)."
         )
     raise RecipeError(
@@ -213,7 +213,8 @@ class _Neighbours:
                 self.consumers[piece.name].append(op)
 
     def packs_qkv(self, refusal: Refusal) -> bool:
-        """Whether ``refusal`` is the unflatten of a packed q/k/v projection into its 3 parts (nn.MultiheadAttention's in_proj)."""
+        """Whether ``refusal`` is the unflatten of a packed q/k/v projection into its 3 parts that the
+        capture did not take apart (it does so for nn.MultiheadAttention's in_proj, see ``capture.packed``)."""
         op = self.ops.get(refusal.op)
         if op is None or refusal.target != "aten.unflatten.int" or refusal.size != 3 or not op.tensor_inputs:
             return False

@@ -20,7 +20,7 @@ from lightning_nnscaler.models.gpt import GPT, GPTConfig
 from lightning_nnscaler.models.mbart import MBart, MBartConfig
 from lightning_nnscaler.models.swin import Swin, SwinConfig
 from lightning_nnscaler.plans.catalog import RecipeError
-from lightning_nnscaler.plans.coverage import PartialPlanWarning, parameter_coverage
+from lightning_nnscaler.plans.coverage import parameter_coverage
 
 WORLD_SIZE = 4
 
@@ -122,19 +122,10 @@ def test_docs_autoencoder_coshards_both_mlp_stacks_with_recompute() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_multihead_attention_lm_names_the_packed_in_proj() -> None:
+def test_multihead_attention_lm_coshards_its_heads_and_mlps_with_recompute() -> None:
     model, batch = multihead_attention_lm()
-    with pytest.raises(RecipeError, match=r"modules blocks\.0, blocks\.1: .*packed in one in_proj weight.*nn\.MultiheadAttention") as raised:
-        lnn.parallelize(model, batch, "coshard", WORLD_SIZE, step="training_step", shards=2)
-    assert "allow_partial=True" in str(raised.value) and "divide 3" not in str(raised.value)
-
-
-@pytest.mark.timeout(300)
-def test_multihead_attention_lm_coshards_its_mlps_with_recompute() -> None:
-    model, batch = multihead_attention_lm()
-    with pytest.warns(PartialPlanWarning, match="in_proj"):
-        plan = lnn.parallelize(model, batch, "coshard", WORLD_SIZE, step="training_step", shards=2, allow_partial=True)
-    assert_coshards_with_recompute(plan, ["blocks.0.mlp.0.weight", "blocks.1.mlp.2.weight"])
+    plan = lnn.parallelize(model, batch, "coshard", WORLD_SIZE, step="training_step", shards=2)
+    assert_coshards_with_recompute(plan, ["blocks.0.attn.in_proj_weight", "blocks.1.attn.out_proj.weight", "blocks.0.mlp.0.weight", "blocks.1.mlp.2.weight"])
 
 
 @pytest.mark.timeout(600)
