@@ -346,9 +346,29 @@ def _decompose_pointwise_loss(converter: _Converter, node: fx.Node, args: Any, k
     return True
 
 
+# ``template.new_zeros(size)`` and its kin take only dtype and device from the template.
+_FACTORY_OF_TEMPLATE = {
+    "aten.new_zeros.default": "aten.zeros.default",
+    "aten.new_ones.default": "aten.ones.default",
+    "aten.new_empty.default": "aten.empty.memory_format",
+    "aten.new_full.default": "aten.full.default",
+}
+
+
+def _decompose_template_factory(converter: _Converter, node: fx.Node, args: Any, kwargs: dict, no_grad: bool) -> bool:
+    """``template.new_zeros(size)`` as ``torch.zeros(size, dtype=..., device=...)``: the template is
+    no input, or a rank would read it whole (T5 shifting its labels right reads every row)."""
+    value = node.meta["val"]
+    options = {**kwargs, "dtype": value.dtype, "device": value.device}
+    factory = _FACTORY_OF_TEMPLATE[str(node.target)]
+    converter.values[node] = converter.emit(node.name, factory, list(args[1:]), options, value, no_grad)
+    return True
+
+
 _DECOMPOSITIONS = {
     "aten.split_with_sizes.default": _decompose_parameter_split,
     "aten.split.Tensor": _decompose_parameter_split,
+    **dict.fromkeys(_FACTORY_OF_TEMPLATE, _decompose_template_factory),
     "aten.mean.dim": _decompose_mean,
     "aten.mean.default": _decompose_mean,
     "aten.cross_entropy_loss.default": _decompose_cross_entropy,

@@ -173,7 +173,8 @@ def _compute_line(action: Compute) -> str:
     names = iter(action.input_vars)
     args, kwargs = op.map_tensor_inputs(lambda _, piece: _Name(next(names)))
     arguments = [_literal(arg) for arg in args] + [f"{key}={_literal(value)}" for key, value in kwargs]
-    call = f"aten.{op.target.split('.', 1)[1]}({', '.join(arguments)})" if op.target.startswith("aten.") else f"torch.ops.{op.target}({', '.join(arguments)})"
+    target = _LAYOUT_FREE_FORM.get(op.target, op.target)
+    call = f"aten.{target.split('.', 1)[1]}({', '.join(arguments)})" if target.startswith("aten.") else f"torch.ops.{target}({', '.join(arguments)})"
     targets = ", ".join(action.output_vars) + ("," if len(action.output_vars) == 1 and op.target in _TUPLE_RESULTS else "")
     shapes = ", ".join(str(output.shape) for output in op.outputs)
     statement = f"{targets} = {call}"
@@ -181,6 +182,12 @@ def _compute_line(action: Compute) -> str:
         statement = f"with torch.no_grad(): {statement}"
     return f"{statement}  # {op.name}: {shapes}"
 
+
+# A view needs strides its input had when traced: torch.export drops a ``.contiguous()`` whose tensor
+# was contiguous then (nanoGPT's ``y.transpose(1, 2).contiguous().view(B, T, C)`` after flash
+# attention), while a rank's piece of that tensor (sliced or assembled) may be laid out otherwise.
+# The IR is out of place, so reshape (a view where the strides allow, else a copy) computes the same.
+_LAYOUT_FREE_FORM = {"aten.view.default": "aten.reshape.default", "aten._unsafe_view.default": "aten.reshape.default"}
 
 # Ops returning a list even when it holds one tensor: a one-output assignment unpacks with a comma.
 _TUPLE_RESULTS = {"aten.split.Tensor", "aten.split_with_sizes.default", "aten.unbind.int", "aten.chunk.default"}

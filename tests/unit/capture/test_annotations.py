@@ -184,3 +184,27 @@ def test_view_piece_takes_its_own_shape() -> None:
     assert [piece.args[1] for piece in pieces] == [[2, 16, 2, 8]] * 2
     assert [str(piece.tensor_inputs[0]) for piece in pieces] == ["%x[0:2, 0:16, 0:16]", "%x[0:2, 0:16, 16:32]"]
     lnn.assert_equivalent(graph, plan, {"x": torch.randn(2, 16, 32)})
+
+
+class ShiftsLabelsRight(torch.nn.Module):
+    """Decoder inputs made as T5 makes them: ``labels.new_zeros(labels.shape)`` with labels shifted in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, labels: torch.Tensor) -> torch.Tensor:
+        shifted = labels.new_zeros(labels.shape)
+        shifted[:, 1:] = labels[:, :-1].clone()
+        logits = self.head(self.embedding(shifted))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 16), labels.reshape(-1))
+
+
+def test_a_template_factory_takes_no_tensor_input_so_data_parallel_ranks_read_their_rows() -> None:
+    torch.manual_seed(0)
+    labels = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(0))
+    graph = lnn.trace(ShiftsLabelsRight(), (labels,))
+    (zeros,) = [op for op in graph.ops if "zeros" in op.target]
+    assert zeros.target == "aten.zeros.default" and not zeros.tensor_inputs and zeros.kwargs_dict["dtype"] == torch.int64
+    lnn.parallelize(ShiftsLabelsRight(), (labels,), "dp", 4).verify()

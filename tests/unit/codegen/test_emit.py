@@ -78,3 +78,27 @@ def test_data_parallel_ranks_send_the_target_count_first_and_receive_it_last():
         loss_sum = next(index for index, line in enumerate(body) if line.lstrip().startswith("cross_entropy_loss_sum ="))
         assert "cross_entropy_loss_count" in body[send] and send < first_linear, f"rank {rank}"
         assert recv > loss_sum, f"rank {rank}: the receive stays where the count is needed"
+
+
+class FlashAttentionThenView(nn.Module):
+    """nanoGPT's attention tail: ``y.transpose(1, 2).contiguous().view(B, T, C)`` after flash attention,
+    whose ``.contiguous()`` torch.export drops (the output was contiguous when traced)."""
+
+    def __init__(self, hidden: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, length, hidden = x.shape
+        q, k, v = (part.view(rows, length, self.heads, -1).transpose(1, 2) for part in self.qkv(x).split(hidden, dim=2))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(rows, length, hidden)).sum()
+
+
+def test_a_view_is_written_as_reshape_so_that_a_piece_of_any_layout_runs() -> None:
+    torch.manual_seed(0)
+    plan = lnn.parallelize(FlashAttentionThenView(), (torch.randn(2, 4, 16),), "sp", 2)
+    assert all("aten.view.default(" not in source and "aten.reshape.default(" in source for source in plan.sources)
+    plan.verify()
