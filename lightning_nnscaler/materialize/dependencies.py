@@ -172,7 +172,7 @@ class _Builder:
     def slice_held(self, rank: int, piece: VTensor, position: int, segment: Segment = None) -> str:
         if piece.value.part > 0:
             return self.zeros(rank, piece, position, segment)
-        held_var, box = next((var, box) for var, box in self.held[(rank, piece.name)] if piece.index.intersect(box) == piece.index)
+        held_var, box = next((var, box) for var, box in self.held[(rank, piece.name)] if piece.index == box or piece.index.intersect(box) == piece.index)
         if piece.index == box:
             return held_var
         region = piece.index.slices_within(box)

@@ -380,8 +380,6 @@ LOGGED = {"convnet": ["train_loss", "train_acc"], "two_losses": ["classification
 
 PACKED_IN_PROJ = r"q, k, v packed in one in_proj weight, as in nn\.MultiheadAttention"
 REFUSALS: dict[tuple[str, str], tuple[type[Exception], str]] = {
-    **{("transformer_encoder", recipe): (lnn.RecipeError, rf"modules encoder\.layers\.0, encoder\.layers\.1: unflatten after self_attn by dim 'c' \({PACKED_IN_PROJ}") for recipe in ("tp", "sp", "coshard")},
-    **{("multihead_attention", recipe): (lnn.RecipeError, rf"modules blocks\.0, blocks\.1: unflatten after attn by dim 'c' \({PACKED_IN_PROJ}") for recipe in ("tp", "sp", "coshard")},
     # timm packs q, k, v in one qkv linear too: reshape(B, N, 3, heads, head_dim).
     **{("timm_vit", recipe): (lnn.RecipeError, r"attention modules model\.blocks\.0\.attn, model\.blocks\.1\.attn \(8 heads\): reshape after qkv by dim 'c' of size 3") for recipe in ("tp", "sp", "coshard")},
     # coshard cuts heads into 4 ranks x 2 shards = 8 parts; 4 key/value heads do not divide into 8.
