@@ -240,7 +240,8 @@ def parallelize(
     with stage(f"planning {len(graph.ops)} ops with recipe {recipe} for {world_size} ranks"):
         with recording_refusals() as refusals:  # ops the recipe meant to split but could not
             context = apply_recipe(planned, recipe, world_size, **params)
-        check_coverage(planned, graph, world_size, recipe=recipe, allow_partial=allow_partial, refusals=refusals)
+        model_parallel = world_size // context.layout.data_parallel if context.layout is not None else 1
+        check_coverage(planned, graph, world_size, recipe=recipe, allow_partial=allow_partial, refusals=refusals, model_parallel=model_parallel)
     with stage(f"materializing {len(planned.ops)} pieces and generating {world_size} modules"):
         plan = build_plan(
             module, example_args, step, graph, planned, world_size, recipe=recipe, params=params, zero_stage=context.zero_stage,

@@ -102,7 +102,7 @@ class CoverageReport:
 
 def check_coverage(
     planned: Graph, original: Graph, world_size: int, *, recipe: str, allow_partial: bool = False,
-    refusals: Sequence[Refusal] = (),
+    refusals: Sequence[Refusal] = (), model_parallel: int = 1,
 ) -> CoverageReport:
     """Check that ``planned`` splits what recipe ``recipe`` means to split and uses all ``world_size`` ranks.
 
@@ -113,18 +113,31 @@ def check_coverage(
         recipe: The recipe's name, for messages.
         allow_partial: Warn instead of raising when the recipe left ops whole that it meant to split.
         refusals: What the recipe's walks refused (``propagate.recording_refusals`` around the recipe).
+        model_parallel: Ranks per data-parallel replica (the recipe's layout): above 1, a plan in which
+            every rank holds every parameter whole split nothing, and is refused (or warned of).
 
     Returns:
         The coverage report.
 
     Raises:
         IdleRankError: a rank runs no op (whatever ``allow_partial``: plan for fewer ranks instead).
-        RecipeError: the recipe left ops whole that it meant to split, unless ``allow_partial``.
+        RecipeError: the recipe left ops whole that it meant to split, or found nothing to split
+            although several ranks share a replica, unless ``allow_partial``.
 
     Warns:
         PartialPlanWarning: with ``allow_partial``, when the recipe left such ops whole.
     """
     check_no_idle_rank(planned, world_size)
+    if model_parallel > 1 and not refusals and _replicated_everywhere(planned, world_size):
+        message = (
+            f"recipe {recipe!r} over {world_size} ranks ({model_parallel} per data-parallel replica) split nothing: every "
+            "rank would hold every parameter and repeat its replica's whole computation. The recipe found no op it splits "
+            "(tp, sp and coshard split aten.linear layers and attention; e.g. a Conv1D written as addmm is not one). "
+            "Use dp or zero3, or register a recipe that splits this model's ops"
+        )
+        if not allow_partial:
+            raise RecipeError(message)
+        warnings.warn(message, PartialPlanWarning, stacklevel=3)
     unique = tuple(dict.fromkeys(refusals))  # hybrid walks each data-parallel replica: the same refusal per replica
     lines, heads = _describe(original, unique)
     report = CoverageReport(recipe, world_size, tuple(parameter_coverage(planned)), unique, tuple(lines))
@@ -145,6 +158,19 @@ def check_coverage(
         f"{report.summary()}.\nTo fix: choose world_size and the recipe's parameters so that its parts (now "
         f"{_and(parts)}) divide {_and(sizes)}; or pass allow_partial=True to accept this weaker plan "
         "(a PartialPlanWarning then says how much of the model was split)."
+    )
+
+
+def _replicated_everywhere(planned: Graph, world_size: int) -> bool:
+    """Whether every rank reads every parameter some op reads, whole."""
+    boxes: dict[str, dict[int | None, set[IndexMask]]] = defaultdict(lambda: defaultdict(set))
+    for op in planned.ops:
+        for piece in op.tensor_inputs:
+            if piece.tensor.role == "parameter":
+                boxes[piece.name][op.device].add(piece.index)
+    return bool(boxes) and all(
+        len(by_rank) == world_size and all(_union_size(list(held)) == planned.tensors[name].numel for held in by_rank.values())
+        for name, by_rank in boxes.items()
     )
 
 

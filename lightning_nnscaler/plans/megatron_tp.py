@@ -28,6 +28,15 @@ from lightning_nnscaler.plans.layout import DeviceGrid, RecipeLayout
 from lightning_nnscaler.plans.propagate import Choose, Walk, place, propagate
 
 LINEAR = "aten.linear.default"
+ADDMM = "aten.addmm.default"
+
+
+def is_linear(op: Op) -> bool:
+    """A linear layer: ``aten.linear``, or ``addmm(bias, x, weight)`` with a parameter weight (Hugging Face's
+    ``Conv1D``: GPT-2's layers), whose dims carry the same names (``n`` out, ``k`` in)."""
+    if op.target == LINEAR:
+        return True
+    return op.target == ADDMM and len(op.tensor_inputs) == 3 and op.tensor_inputs[2].tensor.role == "parameter"
 
 
 def tp(graph: Graph, ctx: PlanContext, *, degree: int | None = None) -> None:
@@ -58,7 +67,7 @@ def megatron_choice(graph: Graph) -> Choose:
     final = final_linears(graph)
 
     def choose(op: Op, offered: list[str]) -> str | None:
-        if op.target == LINEAR:
+        if is_linear(op):
             if "k" in offered:
                 return "k"
             return None if op.source_name in final else "n"
@@ -73,9 +82,9 @@ def final_linears(graph: Graph) -> set[str]:
     final: set[str] = set()
     for op in reversed(graph.ops):
         downstream = any(output.name in feeds_linear for output in op.outputs)
-        if op.target == LINEAR and not downstream:
+        if is_linear(op) and not downstream:
             final.add(op.source_name)
-        if downstream or op.target == LINEAR:
+        if downstream or is_linear(op):
             feeds_linear.update(piece.name for piece in op.tensor_inputs)
     return final
 

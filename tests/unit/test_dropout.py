@@ -47,6 +47,33 @@ def test_gpt_with_dropout_verifies_under_every_plan(recipe: str, world_size: int
     plan.verify()
 
 
+class HuggingFaceGPT2(nn.Module):
+    """Hugging Face's GPT-2 from its default configuration (dropout 0.1 everywhere), tiny sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        self.model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        return nn.functional.cross_entropy(self.model(tokens).logits.reshape(-1, 64), targets.reshape(-1))
+
+
+@pytest.mark.timeout(300)
+def test_hugging_face_gpt2_default_dropout_verifies_under_tp() -> None:
+    torch.manual_seed(0)
+    model = HuggingFaceGPT2().train()
+    assert model.model.config.resid_pdrop == model.model.config.attn_pdrop == model.model.config.embd_pdrop == 0.1
+    batch = (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
+    plan = lnn.parallelize(model, batch, "tp", 2, step="training_step")
+    assert any(op.target == RANDOM_LIKE_OP for op in plan.graph.ops)
+    held = [line for line in plan.sources[0].splitlines() if "mlp.c_fc.weight'" in line]
+    assert held and all("(0, 64)" in line for line in held)  # Conv1D (addmm) layers split like linears: 64 of 128 columns
+    plan.verify()
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("recipe", ["tp", "coshard"])
 def test_swin_with_drop_path_verifies(recipe: str) -> None:

@@ -134,3 +134,19 @@ def test_a_recipe_leaving_ranks_idle_is_refused_even_with_allow_partial(gpt_mode
     register_recipe(everything_on_device_zero)
     with pytest.raises(IdleRankError, match=r"ranks 1, 2, 3 of world_size 4 run no op"):
         lnn.parallelize(model, batch, "everything_on_device_zero", 4, step="training_step", allow_partial=True)
+
+
+def test_a_model_parallel_recipe_that_splits_nothing_is_refused() -> None:
+    """tp over a conv-only model: each rank would repeat the whole step; refused instead of silently replicated."""
+
+    class ConvOnly(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = torch.nn.Conv1d(3, 8, 3, padding=1), torch.nn.Conv1d(8, 4, 3, padding=1)
+
+        def forward(self, signal: torch.Tensor) -> torch.Tensor:
+            return self.second(torch.relu(self.first(signal))).square().mean()
+
+    with pytest.raises(RecipeError, match=r"recipe 'tp' over 2 ranks \(2 per data-parallel replica\) split nothing.*Use dp or zero3"):
+        lnn.parallelize(ConvOnly(), (torch.randn(4, 3, 16),), "tp", 2)
+    lnn.parallelize(ConvOnly(), (torch.randn(4, 3, 16),), "dp", 2).verify()
