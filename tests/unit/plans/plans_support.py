@@ -6,6 +6,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 import lightning_nnscaler as lnn
 from lightning_nnscaler.models.gpt import GPT, GPTConfig
@@ -45,3 +46,42 @@ def traced(model: str, batch_size: int) -> Traced:
     batch = module.example_batch(batch_size, torch.Generator().manual_seed(1))
     graph = lnn.trace(module, batch, step="training_step")
     return Traced(graph, lnn.bind_inputs(graph, module, batch, step="training_step"))
+
+
+class PreLNAttentionBlock(nn.Module):
+    """A pre-LN block around nn.MultiheadAttention, as the PyTorch docs write one; causal through
+    ``attn_mask`` and ``is_causal`` when ``causal``."""
+
+    def __init__(self, hidden: int, heads: int, causal: bool = True) -> None:
+        super().__init__()
+        self.causal = causal
+        self.ln1 = nn.LayerNorm(hidden)
+        self.attn = nn.MultiheadAttention(hidden, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = self.ln1(x)
+        if self.causal:
+            mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+            attended = self.attn(normed, normed, normed, need_weights=False, attn_mask=mask, is_causal=True)[0]
+        else:
+            attended = self.attn(normed, normed, normed, need_weights=False)[0]
+        x = x + attended
+        return x + self.mlp(self.ln2(x))
+
+
+class MultiheadAttentionLM(nn.Module):
+    """nn.Embedding, two pre-LN nn.MultiheadAttention blocks, an LM head and cross-entropy."""
+
+    def __init__(self, hidden: int = 32, heads: int = 8, vocab: int = 64, causal: bool = True) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, hidden)
+        self.blocks = nn.Sequential(PreLNAttentionBlock(hidden, heads, causal), PreLNAttentionBlock(hidden, heads, causal))
+        self.ln = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int = 0) -> torch.Tensor:
+        tokens, targets = batch
+        logits = self.head(self.ln(self.blocks(self.embedding(tokens))))
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -21,6 +21,7 @@ from lightning_nnscaler.models.mbart import MBart, MBartConfig
 from lightning_nnscaler.models.swin import Swin, SwinConfig
 from lightning_nnscaler.plans.catalog import RecipeError
 from lightning_nnscaler.plans.coverage import parameter_coverage
+from plans_support import MultiheadAttentionLM
 
 WORLD_SIZE = 4
 
@@ -38,38 +39,6 @@ class DocsAutoencoder(nn.Module):
         return F.mse_loss(x_hat, batch)
 
 
-class PreLNBlock(nn.Module):
-    """A pre-LN transformer block around nn.MultiheadAttention, as the PyTorch docs write one."""
-
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(hidden)
-        self.attn = nn.MultiheadAttention(hidden, heads, batch_first=True)
-        self.ln2 = nn.LayerNorm(hidden)
-        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = self.ln1(x)
-        x = x + self.attn(normed, normed, normed, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
-
-
-class MultiheadAttentionLM(nn.Module):
-    """A small LM: nn.Embedding, two pre-LN nn.MultiheadAttention blocks, cross-entropy."""
-
-    def __init__(self, vocab: int = 64, hidden: int = 32, heads: int = 8) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(vocab, hidden)
-        self.blocks = nn.Sequential(PreLNBlock(hidden, heads), PreLNBlock(hidden, heads))
-        self.ln = nn.LayerNorm(hidden)
-        self.head = nn.Linear(hidden, vocab)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int = 0) -> torch.Tensor:
-        tokens, targets = batch
-        logits = self.head(self.ln(self.blocks(self.embedding(tokens))))
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
 def docs_autoencoder() -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     return DocsAutoencoder(), torch.rand(8, 28 * 28, generator=torch.Generator().manual_seed(1))
@@ -78,7 +47,7 @@ def docs_autoencoder() -> tuple[nn.Module, torch.Tensor]:
 def multihead_attention_lm() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
-    return MultiheadAttentionLM(), (torch.randint(0, 64, (4, 8), generator=generator), torch.randint(0, 64, (4, 8), generator=generator))
+    return MultiheadAttentionLM(causal=False), (torch.randint(0, 64, (4, 8), generator=generator), torch.randint(0, 64, (4, 8), generator=generator))
 
 
 def reference(model_class: type, config: object) -> tuple[nn.Module, object]:

@@ -16,41 +16,9 @@ import lightning_nnscaler as lnn
 import lightning_nnscaler.capture.convert as convert
 from lightning_nnscaler.codegen import module_from_source
 from lightning_nnscaler.plans.catalog import RecipeError
+from plans_support import MultiheadAttentionLM
 
 VOCAB, HIDDEN, HEADS = 64, 32, 8
-
-
-class CausalBlock(nn.Module):
-    """A pre-LN block around nn.MultiheadAttention, causal through ``attn_mask`` and ``is_causal``."""
-
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(hidden)
-        self.attn = nn.MultiheadAttention(hidden, heads, batch_first=True)
-        self.ln2 = nn.LayerNorm(hidden)
-        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = self.ln1(x)
-        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
-        x = x + self.attn(normed, normed, normed, need_weights=False, attn_mask=mask, is_causal=True)[0]
-        return x + self.mlp(self.ln2(x))
-
-
-class MultiheadAttentionLM(nn.Module):
-    """nn.Embedding, two causal pre-LN nn.MultiheadAttention blocks, an LM head and cross-entropy."""
-
-    def __init__(self, hidden: int = HIDDEN, heads: int = HEADS) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(VOCAB, hidden)
-        self.blocks = nn.Sequential(CausalBlock(hidden, heads), CausalBlock(hidden, heads))
-        self.ln = nn.LayerNorm(hidden)
-        self.head = nn.Linear(hidden, VOCAB)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int = 0) -> torch.Tensor:
-        tokens, targets = batch
-        logits = self.head(self.ln(self.blocks(self.embedding(tokens))))
-        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
 class EncoderLM(nn.Module):
