@@ -23,6 +23,7 @@ def one_thread():
 PROCESS_TESTS = ("e2e", "integration")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups in its own hook
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Put every test that starts rank processes in one xdist group (one worker runs them in turn)."""
     for item in items:
