@@ -131,7 +131,7 @@ def check_coverage(
     if model_parallel > 1 and not refusals and _replicated_everywhere(planned, world_size):
         message = (
             f"recipe {recipe!r} over {world_size} ranks ({model_parallel} per data-parallel replica) split nothing: every "
-            "rank would hold every parameter and repeat its replica's whole computation. The recipe found no op it splits "
+            "rank would run every op whole, repeating its replica's whole computation. The recipe found no op it splits "
             "(tp, sp and coshard split aten.linear layers and attention; e.g. a Conv1D written as addmm is not one). "
             "Use dp or zero3, or register a recipe that splits this model's ops"
         )
@@ -162,16 +162,13 @@ def check_coverage(
 
 
 def _replicated_everywhere(planned: Graph, world_size: int) -> bool:
-    """Whether every rank reads every parameter some op reads, whole."""
-    boxes: dict[str, dict[int | None, set[IndexMask]]] = defaultdict(lambda: defaultdict(set))
+    """Whether every rank runs every op whole: no op was split (by a dim or by value), only copied."""
+    ranks_of: dict[str, set[int | None]] = defaultdict(set)
     for op in planned.ops:
-        for piece in op.tensor_inputs:
-            if piece.tensor.role == "parameter":
-                boxes[piece.name][op.device].add(piece.index)
-    return bool(boxes) and all(
-        len(by_rank) == world_size and all(_union_size(list(held)) == planned.tensors[name].numel for held in by_rank.values())
-        for name, by_rank in boxes.items()
-    )
+        if any(output.index != IndexMask.full(output.tensor.shape) or not output.value.is_full for output in op.outputs):
+            return False
+        ranks_of[op.source_name].add(op.device)
+    return bool(ranks_of) and all(len(ranks) == world_size for ranks in ranks_of.values())
 
 
 def parameter_coverage(planned: Graph) -> list[ParameterCoverage]:

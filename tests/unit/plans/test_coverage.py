@@ -147,6 +147,6 @@ def test_a_model_parallel_recipe_that_splits_nothing_is_refused() -> None:
         def forward(self, signal: torch.Tensor) -> torch.Tensor:
             return self.second(torch.relu(self.first(signal))).square().mean()
 
-    with pytest.raises(RecipeError, match=r"recipe 'tp' over 2 ranks \(2 per data-parallel replica\) split nothing.*Use dp or zero3"):
+    with pytest.raises(RecipeError, match=r"recipe 'tp' over 2 ranks \(2 per data-parallel replica\) split nothing: every rank would run every op whole.*Use dp or zero3"):
         lnn.parallelize(ConvOnly(), (torch.randn(4, 3, 16),), "tp", 2)
     lnn.parallelize(ConvOnly(), (torch.randn(4, 3, 16),), "dp", 2).verify()
