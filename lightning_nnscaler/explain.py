@@ -7,8 +7,8 @@ bytes per rank      stage 0 (dp)                  stage 1 (zero1)               
 ==================  ============================  ===============================  ==========================
 parameters          every box it holds            boxes + its chunk of each        its chunks (boxes freed)
                                                   replicated box
-gradients           2 bucket buffers per          its chunks' gradients            its chunks' gradients
-                    replicated box, 1× the rest
+gradients           1× every box it holds         its chunks' gradients            its chunks' gradients
+                    (replicated: bucket views)
 optimizer           2 × what it steps: boxes      2 × (its chunks + unreplicated   same as stage 1
                                                   boxes)
 transient           0                             replicated boxes' full           replicated boxes (gathered
@@ -107,7 +107,7 @@ def _step_sum_bytes(program: Program) -> int:
 def _add_replicated(row: dict[str, int], zero_stage: int, size: int, chunk: int, replicas: int) -> None:
     """Add one box of ``size`` bytes whose gradient ``replicas`` ranks sum (ZeRO chunk: ``chunk`` bytes)."""
     if zero_stage == 0:
-        row["gradients"] += 2 * size  # the reducer's two bucket buffers, used in turn
+        row["gradients"] += size  # the gradient is its view of the reducer's bucket: one copy
         row["optimizer"] += 2 * size
         row["gradient_communication"] += 2 * (replicas - 1) * size // replicas
         return

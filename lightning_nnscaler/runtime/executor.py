@@ -53,6 +53,12 @@ class RankExecutor:
         device: Where the pieces live.
         input_offsets: Per batch input, the row of the whole batch where the inputs this rank is
             given start (its data-parallel replica's share); 0 when it is given the whole batch.
+        bucket_bytes: The size at which the reducer cuts its gradient buckets (None: ``reducer.BUCKET_BYTES``).
+        share_parameters: A trainable parameter of ``state`` this rank holds whole, on ``device``, is
+            held as that very tensor instead of a copy (no second copy of the weights; the
+            optimizer steps the model's own parameters). Only for one executor per process over
+            its own model (``NnScalerStrategy``): ranks run as threads must each copy. Never under
+            ZeRO, whose boxes are freed and rebuilt.
     """
 
     def __init__(
@@ -64,6 +70,8 @@ class RankExecutor:
         communicator: Communicator,
         device: torch.device | str = "cpu",
         input_offsets: dict[str, int] | None = None,
+        bucket_bytes: int | None = None,
+        share_parameters: bool = False,
     ) -> None:
         if (module.RANK, module.WORLD_SIZE) != (rank, communicator.world_size):
             raise ValueError(
@@ -78,10 +86,15 @@ class RankExecutor:
         """Pipelined plans: record ``(action, start, end)`` of each action run in ``executed_actions``."""
         self.executed_actions: list[tuple[str, float, float]] = []
         self.device = torch.device(device)
-        self._load(module, constants, input_offsets, lambda location, role: _piece(location, role, state[location.state_key], self.device))
+        shared: set[int] = set()  # a tied parameter is shared once, its other keys copied (as without sharing)
+        share = share_parameters and not getattr(module, "ZERO_STAGE", 0)
+        self._load(
+            module, constants, input_offsets,
+            lambda location, role: _piece(location, role, state[location.state_key], self.device, shared if share else None),
+        )
         by_location = {shard.location: shard.tensor for shard in self.shards.values()}
         replicated = [(by_location[PieceLocation(key, box)], ranks) for key, box, ranks in module.GRADIENT_GROUPS]
-        self.reducer = GradientReducer(replicated, communicator, rank, getattr(module, "ZERO_STAGE", 0))
+        self.reducer = GradientReducer(replicated, communicator, rank, getattr(module, "ZERO_STAGE", 0), bucket_bytes)
 
     def _load(
         self, module: ModuleType, constants: dict[str, torch.Tensor], input_offsets: dict[str, int] | None,
@@ -244,12 +257,26 @@ class RankExecutor:
         shapes: dict[str, tuple[int, ...]] = getattr(self.module, "VALUES", {})
         if not shapes:
             # Started before any gradient bucket, on every rank: the async sums pair up (see runtime.comm).
-            return self.communicator.all_reduce_async(local, ranks)
+            return self._sum_over(local, ranks)
         wholes = {name: torch.zeros(shape, dtype=torch.float64, device=self.device) for name, shape in shapes.items()}
         for name, box, piece in values:
             wholes[name][region(box)] += piece.detach().to(torch.float64)
         flat = torch.cat([local.detach().to(torch.float64).reshape(1)] + [whole.reshape(-1) for whole in wholes.values()])
-        return _SplitSums(self.communicator.all_reduce_async(flat, ranks), local.dtype, shapes, self)
+        return _SplitSums(self._sum_over(flat, ranks), local.dtype, shapes, self)
+
+    def _sum_over(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> AsyncHandle:
+        """An async sum over ``ranks``; alone in the world, the tensor itself (no collective, no wait on the device)."""
+        return self.communicator.all_reduce_async(tensor, ranks) if len(ranks) > 1 else _Summed(tensor)
+
+
+class _Summed:
+    """A sum over one rank: already done."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def wait(self) -> torch.Tensor:
+        return self.tensor
 
 
 class _SplitSums:
@@ -271,8 +298,15 @@ class _SplitSums:
         return flat[0].to(self.loss_dtype)
 
 
-def _piece(location: PieceLocation, role: str, source: torch.Tensor, device: torch.device) -> Shard:
-    """This rank's own copy of ``location`` of ``source`` (a Parameter when it is a trained parameter)."""
+def _piece(location: PieceLocation, role: str, source: torch.Tensor, device: torch.device, shared: set[int] | None = None) -> Shard:
+    """This rank's own copy of ``location`` of ``source`` (a Parameter when it is a trained parameter);
+    with ``shared`` (the ids of the sources shared so far), a trained parameter held whole on its
+    device is ``source`` itself."""
+    whole = location.chunk is None and location.shape == tuple(source.shape) and source.device == device
+    if shared is not None and role == "parameter" and isinstance(source, torch.nn.Parameter) and source.requires_grad and whole:
+        if id(source) not in shared:
+            shared.add(id(source))
+            return Shard(location, source)
     piece = location.take(source.detach()).to(device)
     if role == "parameter" and source.requires_grad:
         piece = torch.nn.Parameter(piece)

@@ -8,12 +8,12 @@ gradients. Stage 0 all-reduces gradients in flat buckets, overlapped with backwa
   dtype or device. DDP's small first bucket, and smaller buckets (a model below ``BUCKET_BYTES``
   split in 2 to 8 so that its sums overlap backward), measured 1-4% slower per step on 2 gloo ranks
   sharing 2 CPU cores: a sum there competes with backward for the cores instead of hiding behind it.
-- Each bucket owns two flat tensors, used in turn by reducing backwards. A box's gradient *is* its
-  view of one of them after a reduction, so a gradient is copied at most once (into the view, when
-  autograd made a fresh one) and the sum is written in place: nothing is copied back (DDP's
-  ``gradient_as_bucket_view``). The other tensor keeps the previous step's gradients intact while
-  the next step runs (``NnScalerStrategy`` runs a step before Lightning's ``zero_grad`` drops
-  them), so stage 0 holds two gradient copies, as DDP does by default.
+- Each bucket owns one flat tensor. A box's gradient *is* its view of it after a reduction, so a
+  gradient is copied at most once (into the view, when autograd made a fresh one) and the sum is
+  written in place: nothing is copied back, and no second copy of the gradients exists (DDP's
+  ``gradient_as_bucket_view``). A backward therefore overwrites the previous sums: whoever wants to
+  keep them past the next step clones them (``NnScalerStrategy`` drops them first, as Lightning's
+  ``zero_grad`` would, unless a hook reads them before ``zero_grad``).
 - A post-accumulate-grad hook on each box moves its gradient into the bucket; a bucket whose boxes
   all have theirs starts an asynchronous in-place all-reduce. Buckets of a tuple start in index
   order on every rank whatever order the hooks fire in (a ready bucket waits for the ones before
@@ -23,8 +23,11 @@ gradients. Stage 0 all-reduces gradients in flat buckets, overlapped with backwa
   accumulate locally, and the next reducing backward sums the accumulated ones. Gradients still
   holding an earlier sum at a backward (nobody cleared them) are set aside and added back after
   the new sum, so that backward calls accumulate as in plain torch.
+- ``on_bucket_reduced`` (optional) is called with each bucket's boxes as soon as that bucket's sum
+  has arrived, in start order, while later buckets are still in flight: ``NnScalerStrategy`` steps
+  the optimizer over them there (``strategy.overlap``).
 
-The gradients are views of buckets that the backward after next overwrites: clone them to keep them.
+The gradients are views of buckets that the next reducing backward overwrites: clone them to keep them.
 
 ZeRO splits each box's flattened elements into ``len(g)`` equal chunks (the last padded): rank
 ``g[i]`` owns chunk ``i``. Every backward reduce-scatters the box gradients and adds them to the
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -65,9 +69,8 @@ class _Bucket:
     ranks: tuple[int, ...]
     index: int  # position among the buckets of ``ranks``: the order they start in
     parameters: list[torch.nn.Parameter]
-    buffers: tuple[torch.Tensor, torch.Tensor]  # each: every box's gradient, back to back; used in turn
-    views: tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]  # per buffer: id(box) -> its gradient's place
-    turn: int = 0  # the buffer of the current (or last) reducing backward
+    buffer: torch.Tensor  # every box's gradient, back to back
+    views: dict[int, torch.Tensor]  # id(box) -> its gradient's place in the buffer
     arrived: set[int] = field(default_factory=set)  # ids of the boxes whose gradient this step has
     carried: dict[int, torch.Tensor] = field(default_factory=dict)  # id(box) -> an earlier sum to add back
     handle: AsyncHandle | None = None  # the all_reduce_async in flight, once started
@@ -83,14 +86,12 @@ class _GroupQueue:
 
 def _new_bucket(ranks: tuple[int, ...], index: int, parameters: list[torch.nn.Parameter]) -> _Bucket:
     numel = sum(parameter.numel() for parameter in parameters)
-    buffers = tuple(torch.zeros(numel, dtype=parameters[0].dtype, device=parameters[0].device) for _ in range(2))
-    views: tuple[dict[int, torch.Tensor], ...] = ({}, {})
-    for buffer, by_box in zip(buffers, views):
-        offset = 0
-        for parameter in parameters:
-            by_box[id(parameter)] = buffer[offset : offset + parameter.numel()].view(parameter.shape)
-            offset += parameter.numel()
-    return _Bucket(ranks, index, parameters, buffers, views)
+    buffer = torch.zeros(numel, dtype=parameters[0].dtype, device=parameters[0].device)
+    views, offset = {}, 0
+    for parameter in parameters:
+        views[id(parameter)] = buffer[offset : offset + parameter.numel()].view(parameter.shape)
+        offset += parameter.numel()
+    return _Bucket(ranks, index, parameters, buffer, views)
 
 
 class GradientReducer:
@@ -100,6 +101,8 @@ class GradientReducer:
         started_buckets: stage 0: ``(ranks, bucket index, during_backward)`` of each bucket started
             in the current or last step, in start order (``during_backward`` is False for the
             buckets ``after_backward`` had to start).
+        on_bucket_reduced: called with a bucket's boxes once its sum is in their gradients (see the
+            module docstring); None: nobody is told.
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class GradientReducer:
         self._step_open = False  # a bucket of this step has started (started_buckets is this step's)
         self._reducing = True  # this backward sums (False: DDP's no_sync)
         self._hooks: list[RemovableHandle] = []
+        self.on_bucket_reduced: Callable[[list[torch.nn.Parameter]], None] | None = None
         if not zero_stage:
             self._assign_buckets(BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
 
@@ -184,7 +188,7 @@ class GradientReducer:
                 _move_into_bucket(parameter, bucket)
         if not self._step_open:
             self.started_buckets, self._step_open = [], True
-        bucket.handle = self.communicator.all_reduce_async(bucket.buffers[bucket.turn], bucket.ranks, in_place=True)
+        bucket.handle = self.communicator.all_reduce_async(bucket.buffer, bucket.ranks, in_place=True)
         self.started_buckets.append((bucket.ranks, bucket.index, during_backward))
 
     def _own(self, box: torch.nn.Parameter, ranks: tuple[int, ...], rank: int) -> _Owned:
@@ -217,8 +221,6 @@ class GradientReducer:
                     if parameter.grad is not None and id(parameter) not in bucket.carried and _is_bucket_view(parameter, bucket):
                         bucket.carried[id(parameter)] = parameter.grad.clone()
                         parameter.grad = None
-                if reduce_gradients:
-                    bucket.turn = 1 - bucket.turn
 
     def after_backward(self) -> None:
         """Sum the replicated gradients (buckets), or reduce-scatter them onto the owned chunks."""
@@ -262,7 +264,8 @@ class GradientReducer:
             owned.box.grad = None
 
     def _finish_buckets(self) -> None:
-        """Start the buckets backward did not start (in order), wait for every bucket, add back what was set aside."""
+        """Start the buckets backward did not start (in order); wait for each bucket in turn, add back what
+        was set aside and tell ``on_bucket_reduced`` while the later buckets are still in flight."""
         for queue in self._queues.values():
             for bucket in queue.buckets[queue.started :]:
                 self._start(bucket, during_backward=False)
@@ -272,7 +275,9 @@ class GradientReducer:
                 for bucket in queue.buckets:
                     bucket.handle.wait()
                     for key, earlier in bucket.carried.items():
-                        bucket.views[bucket.turn][key].add_(earlier)
+                        bucket.views[key].add_(earlier)
+                    if self.on_bucket_reduced is not None:
+                        self.on_bucket_reduced(bucket.parameters)
         finally:
             self._step_open = False
             for queue in self._queues.values():
@@ -285,7 +290,7 @@ class GradientReducer:
 
 def _move_into_bucket(parameter: torch.Tensor, bucket: _Bucket) -> None:
     """Make ``parameter.grad`` its view of the bucket: copied in unless autograd accumulated there (zeros if none)."""
-    view = bucket.views[bucket.turn][id(parameter)]
+    view = bucket.views[id(parameter)]
     grad = parameter.grad
     if grad is None:
         view.zero_()
@@ -295,6 +300,5 @@ def _move_into_bucket(parameter: torch.Tensor, bucket: _Bucket) -> None:
 
 
 def _is_bucket_view(parameter: torch.Tensor, bucket: _Bucket) -> bool:
-    """Whether ``parameter.grad`` is (in the place of) its view of either of the bucket's buffers."""
-    pointer = parameter.grad.data_ptr()
-    return any(pointer == views[id(parameter)].data_ptr() for views in bucket.views)
+    """Whether ``parameter.grad`` is (in the place of) its view of the bucket."""
+    return parameter.grad.data_ptr() == bucket.views[id(parameter)].data_ptr()

@@ -18,6 +18,7 @@ from collections import defaultdict
 from typing import Any, Callable, Iterable
 
 import torch
+from lightning.pytorch import Callback, LightningModule
 from torch import nn
 
 from lightning_nnscaler.ir.box import PieceLocation
@@ -98,29 +99,33 @@ class GradientStash:
 
     Lightning's closure runs ``training_step``, then ``zero_grad`` (on the first batch of an
     accumulation window), then ``backward``. The executor's step already ran backward, so on the
-    first batch of a window ``run_step`` runs it with every ``.grad`` taken out, keeps the new
-    gradients aside and puts the earlier ones back (for ``zero_grad`` to clear or keep); ``apply``
-    then adds the kept gradients to what ``zero_grad`` left. On the other batches of a window no
-    ``zero_grad`` comes, so the step accumulates into ``.grad`` directly and ``apply`` has nothing
-    to do. Moving gradients never copies them; adding to a kept gradient makes a new tensor (the
-    kept one may be a reducer's bucket, which a later step reuses).
+    first batch of a window ``run_step`` runs it with no ``.grad`` held and keeps the new gradients
+    aside for ``apply``, which adds them to what ``zero_grad`` left. The earlier gradients are
+    dropped before the step, as ``zero_grad`` would drop them, so no second copy of the gradients
+    is ever alive; only when a hook reads them before ``zero_grad`` (``zero_grad_observers``) are
+    they kept, as copies (a reducer's bucket, which they may be views of, is overwritten by the
+    step), and put back for that hook and ``zero_grad``. On the other batches of a window no
+    ``zero_grad`` comes, so the step accumulates into ``.grad`` directly and ``apply`` has nothing to
+    do. Adding to a kept gradient makes a new tensor (the kept one may be a bucket, which a later
+    step reuses).
     """
 
-    def __init__(self, holders: Iterable[torch.Tensor]) -> None:
+    def __init__(self, holders: Iterable[torch.Tensor], *, keep_earlier: bool = False) -> None:
         self.holders = list(holders)
+        self.keep_earlier = keep_earlier
         self.pending: dict[int, torch.Tensor] = {}
 
     def run_step(self, step: Callable[[], torch.Tensor], *, zero_grad_follows: bool) -> torch.Tensor:
         """Run ``step``; if Lightning's ``zero_grad`` follows it, with no gradient held, keeping what it computes for ``apply``."""
         if not zero_grad_follows:
             return step()
-        earlier = {id(holder): holder.grad for holder in self.holders}
+        earlier = {id(holder): holder.grad.clone() for holder in self.holders if holder.grad is not None} if self.keep_earlier else {}
         for holder in self.holders:
             holder.grad = None
         result = step()
         self.pending = {id(holder): holder.grad for holder in self.holders if holder.grad is not None}
         for holder in self.holders:
-            holder.grad = earlier[id(holder)]
+            holder.grad = earlier.get(id(holder))
         return result
 
     def apply(self) -> None:
@@ -130,6 +135,18 @@ class GradientStash:
             if new is not None:
                 holder.grad = new if holder.grad is None else holder.grad + new
         self.pending = {}
+
+
+def zero_grad_observers(module: LightningModule, callbacks: Iterable[Callback]) -> list[str]:
+    """The hooks that may read the previous step's gradients before Lightning's ``zero_grad`` (empty: none)."""
+    found = [
+        f"{type(module).__name__}.{hook}" for hook in ("on_before_zero_grad", "optimizer_zero_grad")
+        if getattr(type(module), hook) is not getattr(LightningModule, hook)
+    ]
+    return found + [
+        f"{type(callback).__name__}.on_before_zero_grad" for callback in callbacks
+        if getattr(type(callback), "on_before_zero_grad", None) is not Callback.on_before_zero_grad
+    ]
 
 
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, replicas: dict[int, int], all_reduce: Any) -> torch.Tensor:

@@ -20,7 +20,11 @@ step happens:
   training the same tensors.
 - **training_step** runs ``forward_backward`` (forward, backward and the gradient reduction) and
   returns the loss, so Lightning logs it and steps the optimizer; Lightning's ``backward`` then only
-  hands the step's gradients over (``gradients.GradientStash``).
+  hands the step's gradients over (``gradients.GradientStash``). A parameter a rank holds whole is
+  the LightningModule's own tensor (no second copy of the weights), and the replicated gradients
+  are views of the reducer's buckets (no second copy of the gradients). Unless something could
+  tell the difference, the optimizer steps each bucket as soon as its sum arrives, while later
+  buckets are still being summed (``overlap.OverlappedStep``).
 - **validation / test / predict** run the user's own steps on the full LightningModule, refreshed
   from every rank's shards first (``_refresh_module``); so does the end of training.
 - **checkpoints** are sharded directories: every rank writes its own pieces atomically, rank 0 the
@@ -62,7 +66,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -83,8 +87,9 @@ from lightning_nnscaler.strategy.checkpoint import (
 )
 from lightning_nnscaler.strategy.failures import ReportingScriptLauncher
 from lightning_nnscaler.strategy.gradients import (
-    GradientStash, clip_grad_norm, gradient_holders, move_param_groups, piece_locations, replica_counts,
+    GradientStash, clip_grad_norm, gradient_holders, move_param_groups, piece_locations, replica_counts, zero_grad_observers,
 )
+from lightning_nnscaler.strategy.overlap import OverlappedStep, reasons_not_to_overlap
 from lightning_nnscaler.strategy.plan_logging import log_plan
 from lightning_nnscaler.plans.layout import RecipeLayout
 from lightning_nnscaler.strategy.planning import (
@@ -112,6 +117,12 @@ class NnScalerStrategy(ParallelStrategy):
         timeout: Seconds any collective may wait before it fails (a dead rank fails the run).
         start_method: ``"popen"`` runs the script once per device (like ``strategy="ddp"``);
             ``"spawn"``/``"fork"`` use Lightning's multiprocessing launcher.
+        overlap_optimizer: Step the optimizer over each gradient bucket as soon as its sum arrives,
+            while later buckets are still summed (``strategy.overlap``; the same update bit for bit).
+            It turns itself off, falling back to DDP's order, where a hook, clipping, a loss scaler
+            or the optimizer could tell the difference (``overlap_off_reasons`` says why).
+        bucket_cap_mb: Size of the gradient buckets summed during backward, in MiB (DDP's
+            ``bucket_cap_mb``; default 25).
         allow_partial: Accept a plan that leaves whole (replicated) some ops the recipe means to
             split, e.g. attention whose heads its pieces do not divide, with a ``PartialPlanWarning``
             saying how much of the model was split. By default such a recipe is refused at setup.
@@ -132,6 +143,8 @@ class NnScalerStrategy(ParallelStrategy):
         timeout: float = 60.0,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         allow_partial: bool = False,
+        overlap_optimizer: bool = True,
+        bucket_cap_mb: Optional[float] = None,
         **recipe_params: Any,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
@@ -142,6 +155,11 @@ class NnScalerStrategy(ParallelStrategy):
         self.recipe_params = dict(recipe_params)
         self.timeout = timeout
         self.allow_partial = allow_partial
+        self.overlap_optimizer = overlap_optimizer
+        self.bucket_cap_mb = bucket_cap_mb
+        self.overlap_off_reasons: list[str] = []
+        """Why the optimizer step is not overlapped with the gradient sums (set at the first batch)."""
+        self._overlap: Optional[OverlappedStep] = None
         self._start_method = start_method
         self._num_nodes = 1
         self.plan: Optional[Plan] = None
@@ -317,14 +335,22 @@ class NnScalerStrategy(ParallelStrategy):
         state = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
         communicator = TorchDistributedCommunicator(timeout=self.timeout)
         self.executor = RankExecutor(
-            code, rank, state, plan.graph.constant_values, communicator, self.root_device, input_offsets=plan.input_offsets(rank)
+            code, rank, state, plan.graph.constant_values, communicator, self.root_device, input_offsets=plan.input_offsets(rank),
+            bucket_bytes=None if self.bucket_cap_mb is None else int(self.bucket_cap_mb * 2**20), share_parameters=True,
         )
         self.plan = plan
         self._plans_by_shape[signature] = (plan, self.executor)
         self._group_keys = [move_param_groups(optimizer, module, self.executor) for optimizer in self.optimizers]
         self._locations = piece_locations(self.executor)
-        self._gradient_stash = GradientStash(gradient_holders(self.executor))
+        trainer = module.trainer
+        self._gradient_stash = GradientStash(gradient_holders(self.executor), keep_earlier=bool(zero_grad_observers(module, trainer.callbacks)))
         self._replicas = replica_counts(self.executor)
+        self.overlap_off_reasons = ["overlap_optimizer=False"] if not self.overlap_optimizer else reasons_not_to_overlap(
+            module, self.optimizers, trainer.callbacks, clipping=bool(trainer.gradient_clip_val),
+            scaling=getattr(self.precision_plugin, "scaler", None) is not None,
+        )
+        self._overlap = None if self.overlap_off_reasons else OverlappedStep(self.optimizers[0])
+        rank_zero_debug(f"NnScalerStrategy: optimizer step overlapped with the gradient sums: {', '.join(self.overlap_off_reasons) or 'yes'}")
         log_plan(module.loggers, plan)  # rank 0: recipe, parameters, plan hash, memory estimate, code
 
     # --- training --------------------------------------------------------------------------------
@@ -351,6 +377,7 @@ class NnScalerStrategy(ParallelStrategy):
         # Lightning's zero_grad comes between training_step and backward on a window's first batch.
         first_of_window = batch_idx % trainer.accumulate_grad_batches == 0
         stream = random_stream(trainer.global_step, batch_idx % trainer.accumulate_grad_batches)
+        self.executor.reducer.on_bucket_reduced = self._overlap.step_bucket if self._overlap is not None and reduce else None
         with self.precision_plugin.train_step_context():
             loss = self._gradient_stash.run_step(
                 lambda: self.executor.forward_backward(inputs, loss_scale=scale, reduce_gradients=reduce, random_stream=stream),
@@ -371,6 +398,8 @@ class NnScalerStrategy(ParallelStrategy):
         assert self.lightning_module is not None and self._gradient_stash is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         self._gradient_stash.apply()
+        if self._overlap is not None:  # Lightning's optimizer.step updates only what no bucket stepped
+            self._overlap.hide_stepped()
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
     @override
@@ -378,7 +407,11 @@ class NnScalerStrategy(ParallelStrategy):
         self, optimizer: Optimizer, closure: Callable[[], Any], model: Optional[Union[LightningModule, torch.nn.Module]] = None, **kwargs: Any
     ) -> Any:
         """Lightning's optimizer step, then the executor's (ZeRO) bookkeeping."""
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        try:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            if self._overlap is not None:
+                self._overlap.restore()
         if self.executor is not None:
             self.executor.after_optimizer_step()  # ZeRO gathers the updated chunks, or releases the boxes
             self._module_is_stale = True
@@ -399,7 +432,14 @@ class NnScalerStrategy(ParallelStrategy):
         if self.executor is None or not self._module_is_stale:
             return
         assert self.lightning_module is not None
-        pieces = [(shard.location, shard.tensor.cpu()) for shard in self.executor.full_shards().values()]
+        # A parameter every rank holds as the module's own tensor (``share_parameters``) is current everywhere.
+        own = {id(parameter) for parameter in self.lightning_module.parameters()}
+        everywhere = {PieceLocation(key, box) for key, box, ranks in self.executor.module.GRADIENT_GROUPS if len(ranks) == self.world_size}
+        shards = self.executor.full_shards().values() if self.executor.reducer.zero_stage == 3 else self.executor.shards.values()
+        pieces = [
+            (shard.location, shard.tensor.detach().cpu()) for shard in shards
+            if not (id(shard.tensor) in own and (self.world_size == 1 or shard.location in everywhere))
+        ]
         copy_pieces_into(self.lightning_module, self._all_gather_objects(pieces))
         self._module_is_stale = False
 

@@ -92,7 +92,7 @@ def measure(plan: lnn.Plan) -> list[dict[str, int]]:
         executor.forward_backward(plan.replica_inputs(rank, inputs))
         optimizer.step()
         executor.after_optimizer_step()
-        buckets = [buffer for queue in reducer._queues.values() for bucket in queue.buckets for buffer in bucket.buffers]
+        buckets = [bucket.buffer for queue in reducer._queues.values() for bucket in queue.buckets]
         bucketed = {id(parameter) for queue in reducer._queues.values() for bucket in queue.buckets for parameter in bucket.parameters}
         own_gradients = [box.grad for box in boxes if id(box) not in bucketed]
         moments = [value for entry in optimizer.state.values() for key, value in entry.items() if key != "step"]
@@ -130,7 +130,7 @@ def test_zero_shards_what_dp_replicates(plans: dict[str, lnn.Plan]) -> None:
     padding = sum((math.ceil(parameter.numel() / WORLD) * WORLD - parameter.numel()) * 4 for parameter in model.parameters())
     dp, zero1, zero3 = (plans[recipe].memory_rows()[0] for recipe in ("dp", "zero1", "zero3"))
     assert dp["parameters"] == whole and dp["optimizer"] == 2 * whole
-    assert dp["gradients"] == 2 * whole  # the reducer's two bucket buffers
+    assert dp["gradients"] == whole  # one copy: the gradients are views of the reducer's buckets
     assert zero3["parameters"] == (whole + padding) // WORLD and whole / WORLD <= zero3["parameters"] < whole / WORLD + 4 * len(list(model.parameters()))
     assert zero1["optimizer"] == zero3["optimizer"] == (2 * whole + 2 * padding) // WORLD
     assert abs(zero1["optimizer"] - dp["optimizer"] / WORLD) <= 2 * padding / WORLD

@@ -219,29 +219,45 @@ def layers_and_reducer(comm, bucket_bytes: int | None = None) -> tuple[list[torc
     return layers, GradientReducer([(layer, everyone) for layer in layers], comm, comm.rank, bucket_bytes=bucket_bytes)
 
 
-def test_summed_gradients_are_bucket_views_and_the_previous_steps_stay_intact():
+def test_summed_gradients_are_views_of_one_bucket_buffer_that_the_next_step_reuses():
     def program(comm):
         layers, reducer = layers_and_reducer(comm)
         two_layer_step(comm, reducer, layers, seed=1)
+        (bucket,) = reducer._queues[tuple(range(comm.world_size))].buckets
         first = [layer.grad for layer in layers]
         first_values = [grad.clone() for grad in first]
         for layer in layers:
-            layer.grad = None  # what Lightning's zero_grad does (after the next step, under NnScalerStrategy)
+            layer.grad = None  # what Lightning's zero_grad does
         two_layer_step(comm, reducer, layers, seed=2)
-        (bucket,) = reducer._queues[tuple(range(comm.world_size))].buckets
+        buffer = bucket.buffer.untyped_storage()
         return {
-            "views": [any(grad.data_ptr() == views[id(layer)].data_ptr() for views in bucket.views) for grad, layer in zip(first, layers)],
-            "second_in_other_buffer": layers[0].grad.data_ptr() != first[0].data_ptr(),
-            "first_intact": all(torch.equal(grad, value) for grad, value in zip(first, first_values)),
+            "one_storage": all(layer.grad.untyped_storage().data_ptr() == buffer.data_ptr() for layer in layers),
+            "same_place_both_steps": [layer.grad.data_ptr() for layer in layers] == [grad.data_ptr() for grad in first],
+            "bucket_bytes": bucket.buffer.numel() * bucket.buffer.element_size(),
+            "gradient_bytes": sum(layer.numel() * layer.element_size() for layer in layers),
             "first": first_values,
             "second": [layer.grad for layer in layers],
             "expected": [reference_sum(comm, layers, [1]), reference_sum(comm, layers, [2])],
         }
 
     for result in run_ranks(2, program, timeout=10):
-        assert all(result["views"]) and result["second_in_other_buffer"] and result["first_intact"]
+        assert result["one_storage"] and result["same_place_both_steps"]
+        assert result["bucket_bytes"] == result["gradient_bytes"]  # one copy of the gradients, no second buffer
         for actual, expected in zip([result["first"], result["second"]], result["expected"]):
             assert all(torch.equal(a, e) for a, e in zip(actual, expected))
+
+
+def test_each_bucket_is_reported_in_start_order_with_its_sum_in_place():
+    def program(comm):
+        layers, reducer = layers_and_reducer(comm, bucket_bytes=1)  # a bucket per layer
+        reported = []
+        reducer.on_bucket_reduced = lambda boxes: reported.append([(id(box) == id(layers[0]), box.grad.clone()) for box in boxes])
+        two_layer_step(comm, reducer, layers, seed=1)
+        return reported, reference_sum(comm, layers, [1])
+
+    for reported, expected in run_ranks(2, program, timeout=10):
+        assert [[is_first for is_first, _ in bucket] for bucket in reported] == [[False], [True]]  # reverse registration order
+        assert torch.equal(reported[0][0][1], expected[1]) and torch.equal(reported[1][0][1], expected[0])
 
 
 def test_a_local_backward_then_a_summing_one_sum_the_accumulated_gradients_once():
