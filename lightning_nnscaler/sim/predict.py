@@ -29,8 +29,9 @@ class DeviceModel:
 
     def optimizer_seconds(self, tensor_numels: list[int]) -> float:
         """One AdamW step over tensors of ``tensor_numels`` elements."""
-        if self.optimizer_fit is not None:
-            per_tensor, per_element = self.optimizer_fit
+        fit = self.optimizer_fit or self.spec.optimizer
+        if fit is not None:
+            per_tensor, per_element = fit
             return per_tensor * len(tensor_numels) + per_element * sum(tensor_numels)
         roofline = Roofline(self.spec)
         return sum(roofline.optimizer_seconds(numel) for numel in tensor_numels)

@@ -125,9 +125,10 @@ class _Run:
         self.live = [0] * self.world
         self.started = [0.0] * self.world
         self.now = 0.0
-        self.events: list[tuple[float, int, int, int]] = []  # (time, sequence, rank, version or -1 for a wake)
+        self.events: list[tuple[float, int, int, int]] = []  # (time, sequence, rank, compute version or -wake token)
         self.sequence = 0
         self.version = [0] * self.world
+        self.wake_token = [0] * self.world  # a blocked rank waits for one thing: only its latest wake-up counts
         self.sent: dict[tuple[int, int], int] = {}
         self.received: dict[tuple[int, int], int] = {}
         self.messages: dict[tuple[int, int, int], tuple[float, float]] = {}  # (src, dst, k) -> (posted, arrives)
@@ -155,15 +156,19 @@ class _Run:
             time, _, rank, version = heapq.heappop(self.events)
             self.now = time
             if version < 0:
-                if self.state[rank] == _BLOCKED:
+                if self.state[rank] == _BLOCKED and -version == self.wake_token[rank]:
                     self.state[rank] = _READY
                     ready.append(rank)
             elif version == self.version[rank] and self.state[rank] == _COMPUTING:
                 self.finish_compute(rank)
                 ready.append(rank)
 
-    def push(self, time: float, rank: int, version: int = -1) -> None:
+    def push(self, time: float, rank: int, version: int | None = None) -> None:
+        """Queue ``rank``'s compute end (``version``) or, without one, a wake-up that replaces any earlier one."""
         self.sequence += 1
+        if version is None:
+            self.wake_token[rank] += 1
+            version = -self.wake_token[rank]
         heapq.heappush(self.events, (time, self.sequence, rank, version))
 
     def advance(self, rank: int) -> None:
@@ -171,15 +176,16 @@ class _Run:
         tasks = self.lists[rank]
         while self.cursor[rank] < len(tasks):
             task = tasks[self.cursor[rank]]
-            if isinstance(task, Compute):
+            kind = type(task)
+            if kind is Compute:
                 self.start_compute(rank, task)
                 return
-            if isinstance(task, Send):
+            if kind is Send:
                 self.post(rank, task)
-            elif isinstance(task, Recv):
+            elif kind is Recv:
                 if not self.receive(rank, task):
                     return
-            elif isinstance(task, Collective):
+            elif kind is Collective:
                 if not self.collective(rank, task):
                     return
             elif not self.wait_collectives(rank):
@@ -303,7 +309,9 @@ class _Run:
         self.collective_window[key] = (start, end)
         for member in task.group:
             self.comm_free[member] = end
-            if self.state[member] == _BLOCKED:
+            if self.state[member] != _BLOCKED:
+                continue
+            if self.current_collective[member] == key or type(self.lists[member][self.cursor[member]]) is WaitCollectives:
                 self.push(end, member)
 
     def wait_collectives(self, rank: int) -> bool:

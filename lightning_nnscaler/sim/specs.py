@@ -57,6 +57,8 @@ class HardwareSpec:
     inter_node: Link
     cores_per_node: int | None = None
     collectives: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
+    optimizer: tuple[float, float] | None = None
+    """Measured AdamW step: (seconds per tensor, seconds per element); None: the roofline's memory-bound estimate."""
 
     def flops(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (float32's when the spec lists no figure for it)."""
@@ -107,4 +109,5 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> HardwareSpec:
         inter_node=Link(float(links["inter_node"]["bandwidth"]), float(links["inter_node"]["latency"])),
         cores_per_node=None if data.get("cores_per_node") is None else int(data["cores_per_node"]),
         collectives=collectives,
+        optimizer=None if data.get("optimizer") is None else (float(data["optimizer"][0]), float(data["optimizer"][1])),
     )

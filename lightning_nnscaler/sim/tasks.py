@@ -9,18 +9,20 @@ member and starts when the last member reaches it (``blocking=False``: the rank 
 communication stream and goes on; ``WaitCollectives`` blocks until every collective it posted has
 ended). ``Compute.activation_bytes`` is what the task adds to (F) or frees from (B) the rank's
 live activations, for the memory peak over the schedule.
+
+Tasks are named tuples: a 1024-rank step has millions of them, and a tuple is built several times faster
+than a frozen dataclass.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 """Collective kinds the communication model prices (``costs.CommModel``)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Compute:
+class Compute(NamedTuple):
     """Busy the rank's compute stream for ``seconds`` (``kind``: forward, backward, weight, optimizer, other)."""
 
     seconds: float
@@ -29,8 +31,7 @@ class Compute:
     activation_bytes: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Send:
+class Send(NamedTuple):
     """Post ``nbytes`` to ``peer`` (asynchronous); the bytes arrive after the link's latency and transfer time."""
 
     peer: int
@@ -38,16 +39,14 @@ class Send:
     label: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class Recv:
+class Recv(NamedTuple):
     """Wait for the next message from ``peer``."""
 
     peer: int
     label: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class Collective:
+class Collective(NamedTuple):
     """A ``kind`` collective over ``group`` (sorted ranks) on a buffer of ``nbytes`` per rank."""
 
     kind: str
@@ -57,8 +56,7 @@ class Collective:
     blocking: bool = True
 
 
-@dataclass(frozen=True, slots=True)
-class WaitCollectives:
+class WaitCollectives(NamedTuple):
     """Block until every non-blocking collective this rank posted has ended."""
 
     label: str = ""
