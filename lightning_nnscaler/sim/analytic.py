@@ -43,31 +43,29 @@ def transformer_task_lists(shape: TransformerShape, spec: HardwareSpec, *, dp: i
     forward = roofline_seconds(spec, flops, 2 * weight_bytes, shape.dtype) + layers * 10 * spec.op_overhead_s
     kept = layers * 34 * b * s * h * shape.dtype_bytes // tp  # Korthikanti et al. 2022, eq. 2 without the attention scores
     schedule = lower(one_f_one_b(pp, microbatches))
+    forward_task = Compute(forward, "forward", activation_bytes=kept)
+    backward_task = Compute(2 * forward, "backward", activation_bytes=-kept)
+    optimizer = Compute(7 * 2 * weight_bytes / spec.memory_bandwidth, "optimizer")  # fp32 master weights and moments
     lists: list[list[Task]] = []
     for rank in range(dp * tp * pp):
         replica, rest = divmod(rank, pp * tp)
         stage, piece = divmod(rest, tp)
-
-        def global_rank(column: int) -> int:
-            return (replica * pp + column) * tp + piece
-
         tp_group = tuple(range((replica * pp + stage) * tp, (replica * pp + stage + 1) * tp))
         dp_group = tuple((other * pp + stage) * tp + piece for other in range(dp))
-        tasks: list[Task] = []
-        for action in schedule.actions[stage]:
-            kind = action.kind.value
-            if kind == "F":
-                tasks.append(Compute(forward, "forward", activation_bytes=kept))
-                tasks.append(Collective("all_reduce", tp_group, 2 * layers * activation))
-            elif kind == "B":
-                tasks.append(Compute(2 * forward, "backward", activation_bytes=-kept))
-                tasks.append(Collective("all_reduce", tp_group, 2 * layers * activation))
-            elif kind.startswith("SEND"):
-                tasks.append(Send(global_rank(action.peer), activation))
-            else:
-                tasks.append(Recv(global_rank(action.peer)))
-        tasks.append(Collective("all_reduce", dp_group, int(weight_bytes), "gradients", blocking=False))
-        tasks.append(WaitCollectives())
-        tasks.append(Compute(7 * 2 * weight_bytes / spec.memory_bandwidth, "optimizer"))  # fp32 master weights and moments
+        tensor_parallel = Collective("all_reduce", tp_group, 2 * layers * activation)
+        # a rank's list is its column's schedule with each action's tasks; the few distinct tasks are shared objects
+        tasks_of = {"F": (forward_task, tensor_parallel), "B": (backward_task, tensor_parallel)}
+        for column in {stage - 1, stage + 1} & set(range(pp)):
+            peer = (replica * pp + column) * tp + piece
+            tasks_of[column, "send"], tasks_of[column, "recv"] = (Send(peer, activation),), (Recv(peer),)
+        tasks = [task for action in schedule.actions[stage] for task in tasks_of[_key(action)]]
+        tasks += [Collective("all_reduce", dp_group, int(weight_bytes), "gradients", blocking=False), WaitCollectives(), optimizer]
         lists.append(tasks)
     return lists
+
+
+def _key(action) -> object:
+    """Where ``action``'s tasks are in a rank's table: its kind for compute, (peer column, direction) for messages."""
+    if action.kind.is_compute:
+        return action.kind.value
+    return action.peer, "send" if action.kind.is_send else "recv"

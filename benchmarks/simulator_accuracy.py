@@ -1,0 +1,216 @@
+"""Simulator accuracy: predicted vs measured step time and peak memory of plans run for real on gloo.
+
+Each plan (GPT, mBART-style and Evoformer-style reference models; dp, tp, coshard, zero3, gpipe,
+1f1b, interleaved, zb1, 3f1b at 2 and 4 ranks) is planned in this process and run on fresh
+gloo processes (one intra-op thread per rank): warm-up steps, then timed steps of
+``forward_backward`` + AdamW ``step`` (barrier before and after; a step's time is the slowest
+rank's). All plans run once per round, rounds interleaved; the measured time is the median over
+rounds of each round's median, and the spread (max/min over rounds) is printed as the noise.
+
+Measured peak memory per rank: the bytes of the tensors the rank holds (parameter pieces, their
+gradients, the optimizer's state) plus the peak of saved-for-backward activations during a step
+(``saved_tensors_hooks``, as ``benchmarks/pipeline.py``). Predicted: ``sim.predict`` with the
+``cpu`` spec (``benchmarks/calibrate_comm.py``) and op times from the profile cache (measured on a
+miss in one thread). Nothing is fitted to these plans.
+
+Also prints the time to simulate the 1024-GPU GPT-3 175B plan (dp 8 × tp 8 × pp 16 on A100s).
+
+Run: python benchmarks/simulator_accuracy.py [--rounds 2] [--steps 4] [--only scale]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import lightning_nnscaler as lnn
+from lightning_nnscaler.codegen import module_from_source
+from lightning_nnscaler.launch import launch
+from lightning_nnscaler.models.evoformer import Evoformer, EvoformerConfig
+from lightning_nnscaler.models.gpt import GPT, GPTConfig
+from lightning_nnscaler.models.mbart import MBart, MBartConfig
+from lightning_nnscaler.runtime import TorchDistributedCommunicator
+from lightning_nnscaler.runtime.executor import RankExecutor
+from lightning_nnscaler.sim import CommModel, DeviceModel, Machine, Roofline, load_spec, predict, simulate
+from lightning_nnscaler.sim.analytic import TransformerShape, transformer_task_lists
+from lightning_nnscaler.sim.profile import ProfileDB, Profiled
+
+PLANS: list[tuple[str, str, int, dict[str, Any]]] = [
+    ("gpt", "dp", 2, {}), ("gpt", "tp", 2, {}), ("gpt", "zero3", 2, {}), ("gpt", "coshard", 2, {"shards": 2}),
+    ("gpt", "gpipe", 2, {"stages": 2, "microbatches": 4}), ("gpt", "1f1b", 2, {"stages": 2, "microbatches": 4}),
+    ("gpt", "interleaved", 2, {"stages": 2, "microbatches": 4}), ("gpt", "zb1", 2, {"stages": 2, "microbatches": 4}),
+    ("gpt", "dp", 4, {}), ("gpt", "tp", 4, {}), ("gpt", "1f1b", 4, {"stages": 4, "microbatches": 4}),
+    ("mbart", "dp", 2, {}), ("mbart", "tp", 2, {}), ("evoformer", "dp", 2, {}), ("evoformer", "3f1b", 2, {"stages": 2, "microbatches": 2}),
+]
+
+
+def build_model(name: str) -> Any:
+    """The reference model ``name`` with seed-0 weights (the same in every process)."""
+    torch.manual_seed(0)
+    if name == "gpt":
+        model = GPT(GPTConfig(vocab_size=512, seq_len=64, hidden=128, layers=4, heads=4))
+    elif name == "mbart":
+        model = MBart(MBartConfig(vocab_size=512, seq_len=32, hidden=64, encoder_layers=2, decoder_layers=2, heads=4))
+    else:
+        model = Evoformer(EvoformerConfig.small())
+    model.log = lambda *args, **kwargs: None
+    return model
+
+
+def batch_of(model: Any) -> Any:
+    """Eight samples (the same in every process)."""
+    return model.example_batch(8, torch.Generator().manual_seed(0))
+
+
+@dataclass
+class Payload:
+    """What a rank needs: its code, constants, input names and offsets."""
+
+    model: str
+    sources: list[str]
+    constants: dict[str, torch.Tensor]
+    input_names: list[str]
+    offsets: list[dict[str, int]]
+    steps: int
+
+
+def rank_main(rank: int, world_size: int, payload: Payload) -> dict[str, Any]:
+    """Warm-up, timed steps, and one metered step of the plan on this rank."""
+    torch.set_num_threads(1)
+    model = build_model(payload.model)
+    batch = batch_of(model)
+    inputs = dict(zip(payload.input_names, lnn.flatten_inputs(batch, step="training_step")))
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    module = module_from_source(payload.sources[rank], f"accuracy_rank{rank}")
+    executor = RankExecutor(module, rank, state, payload.constants, TorchDistributedCommunicator(60.0), input_offsets=payload.offsets[rank])
+    optimizer = torch.optim.AdamW(executor.parameters())
+
+    def step() -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        executor.forward_backward(inputs)
+        optimizer.step()
+        executor.after_optimizer_step()
+        dist.barrier()
+        return time.perf_counter() - start
+
+    for _ in range(2):
+        step()
+    times = [step() for _ in range(payload.steps)]
+    meter = _Meter({tensor.untyped_storage().data_ptr() for tensor in executor.held.values() if tensor.numel()})
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda saved: saved[0]):
+        step()
+    held = sum(shard.tensor.numel() * shard.tensor.element_size() for shard in executor.shards.values())
+    stepped = executor.parameters()
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in stepped if p.grad is not None)
+    moments = sum(value.numel() * value.element_size() for per in optimizer.state.values() for value in per.values() if value.dim())
+    return {"times": times, "memory": held + grads + moments + meter.peak}
+
+
+class _Meter:
+    """Peak bytes of distinct storages saved for backward (parameters excluded)."""
+
+    def __init__(self, excluded: set[int]) -> None:
+        self.excluded, self.live, self.current, self.peak = excluded, {}, 0, 0
+
+    def pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.excluded or not storage.nbytes():
+            return tensor, None
+        if key not in self.live:
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+            self.live[key] = 0
+        self.live[key] += 1
+        return tensor, _Release(self, key, storage.nbytes())
+
+
+class _Release:
+    def __init__(self, meter: _Meter, key: int, nbytes: int) -> None:
+        self.meter, self.key, self.nbytes = meter, key, nbytes
+
+    def __del__(self) -> None:
+        self.meter.live[self.key] -= 1
+        if not self.meter.live[self.key]:
+            del self.meter.live[self.key]
+            self.meter.current -= self.nbytes
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's τ-a of two rankings."""
+    pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
+    score = sum(np.sign(a[i] - a[j]) * np.sign(b[i] - b[j]) for i, j in pairs)
+    return float(score / len(pairs)) if pairs else 1.0
+
+
+def scale_seconds() -> tuple[float, float, int]:
+    """Seconds to build and to simulate the 1024-GPU GPT-3 175B 1F1B plan, and its task count."""
+    spec = load_spec("a100")
+    start = time.perf_counter()
+    lists = transformer_task_lists(TransformerShape(), spec, dp=8, tp=8, pp=16)
+    built = time.perf_counter()
+    result = simulate(lists, CommModel(spec), Machine(spec.ranks_per_node))
+    done = time.perf_counter()
+    print(f"GPT-3 175B, dp 8 x tp 8 x pp 16 = 1024 A100s, 192 microbatches: predicted step {result.step_seconds:.2f} s, "
+          f"bubble {result.bubble_fraction:.1%}")
+    return built - start, done - built, sum(map(len, lists))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--only", choices=("scale", "accuracy"), default=None)
+    args = parser.parse_args()
+    if args.only != "accuracy":
+        build, run, tasks = scale_seconds()
+        print(f"1024-GPU simulation: {tasks} tasks, built in {build:.1f} s, simulated in {run:.1f} s (goal < 10 s)\n")
+    if args.only == "scale":
+        return
+    torch.set_num_threads(1)
+    spec = load_spec("cpu")
+    database = ProfileDB.open()
+    device = DeviceModel(spec, Profiled(database, Roofline(spec)))
+    rows = []
+    for model_name, recipe, world_size, params in PLANS:
+        model = build_model(model_name)
+        plan = lnn.parallelize(model, batch_of(model), recipe, world_size, step="training_step", **params)
+        prediction = predict(plan, spec, device)
+        payload = Payload(model_name, plan.sources, dict(plan.graph.constant_values), [t.name for t in plan.graph.user_inputs],
+                          [plan.input_offsets(rank) for rank in range(world_size)], args.steps)
+        rows.append({"name": f"{model_name} {recipe} {params or ''} x{world_size}".replace(" {}", ""), "payload": payload,
+                     "world": world_size, "predicted": prediction.step_seconds, "predicted_memory": prediction.peak_bytes, "rounds": []})
+    database.save()
+    for _ in range(args.rounds):
+        for row in rows:
+            results = launch(rank_main, row["world"], row["payload"], timeout=300.0)
+            steps = [max(result["times"][index] for result in results) for index in range(args.steps)]
+            row["rounds"].append(statistics.median(steps))
+            row["memory"] = [result["memory"] for result in results]
+    print(f"{'plan':<42} {'measured ms':>11} {'spread':>7} {'predicted ms':>12} {'error':>7} {'memory error (max over ranks)':>30}")
+    errors, memory_errors = [], []
+    for row in rows:
+        measured = statistics.median(row["rounds"])
+        spread = max(row["rounds"]) / min(row["rounds"]) - 1
+        error = row["predicted"] / measured - 1
+        memory_error = max(abs(p / m - 1) for p, m in zip(row["predicted_memory"], row["memory"]))
+        errors.append(abs(error))
+        memory_errors.append(memory_error)
+        row["measured"] = measured
+        print(f"{row['name']:<42} {measured * 1e3:>11.1f} {spread:>6.1%} {row['predicted'] * 1e3:>12.1f} {error:>+7.1%} {memory_error:>30.1%}")
+    tau = kendall_tau([row["measured"] for row in rows], [row["predicted"] for row in rows])
+    print(f"\nstep time: mean absolute error {statistics.mean(errors):.1%} (goal <= 10 %), Kendall tau {tau:.2f} (goal >= 0.9); "
+          f"peak memory: mean error {statistics.mean(memory_errors):.1%}, worst {max(memory_errors):.1%} (goal within 10 %); "
+          f"{len(rows)} plans, {args.rounds} rounds, torch {torch.__version__}")
+
+
+if __name__ == "__main__":
+    main()
