@@ -11,7 +11,14 @@ Measured peak memory per rank: the bytes of the tensors the rank holds (paramete
 gradients, the optimizer's state) plus the peak of saved-for-backward activations during a step
 (``saved_tensors_hooks``, as ``benchmarks/pipeline.py``). Predicted: ``sim.predict`` with the
 ``cpu`` spec (``benchmarks/calibrate_comm.py``) and op times from the profile cache (measured on a
-miss in one thread). Nothing is fitted to these plans.
+miss in one thread, into a fresh cache folder per run so that every op is measured under the same
+conditions). Nothing is fitted to these plans.
+
+Machine load: this machine is shared, and other processes' load slows every rank. A reference loop of
+small ops (``sim.calibrate.reference_seconds``) is timed in the parent right after profiling and on
+rank 0 of each launch (the other ranks wait in a barrier) before the warm-up; their ratio, the
+slowdown, scales the simulated step of that launch (every duration scales alike, so the simulated
+step does). The table shows the raw prediction and the slowdown-corrected one; errors use the latter.
 
 Also prints the time to simulate the 1024-GPU GPT-3 175B plan (dp 8 × tp 8 × pp 16 on A100s).
 
@@ -21,9 +28,12 @@ Run: python benchmarks/simulator_accuracy.py [--rounds 2] [--steps 4] [--only sc
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,6 +49,7 @@ from lightning_nnscaler.models.mbart import MBart, MBartConfig
 from lightning_nnscaler.runtime import TorchDistributedCommunicator
 from lightning_nnscaler.runtime.executor import RankExecutor
 from lightning_nnscaler.sim import CommModel, DeviceModel, Machine, Roofline, load_spec, predict, simulate
+from lightning_nnscaler.sim.calibrate import reference_seconds
 from lightning_nnscaler.sim.analytic import TransformerShape, transformer_task_lists
 from lightning_nnscaler.sim.profile import ProfileDB, Profiled
 
@@ -101,17 +112,30 @@ def rank_main(rank: int, world_size: int, payload: Payload) -> dict[str, Any]:
         dist.barrier()
         return time.perf_counter() - start
 
+    dist.barrier()
+    reference = reference_seconds() if rank == 0 else 0.0
+    dist.barrier()
     for _ in range(2):
         step()
     times = [step() for _ in range(payload.steps)]
     meter = _Meter({tensor.untyped_storage().data_ptr() for tensor in executor.held.values() if tensor.numel()})
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda saved: saved[0]):
         step()
-    held = sum(shard.tensor.numel() * shard.tensor.element_size() for shard in executor.shards.values())
-    stepped = executor.parameters()
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in stepped if p.grad is not None)
-    moments = sum(value.numel() * value.element_size() for per in optimizer.state.values() for value in per.values() if value.dim())
-    return {"times": times, "memory": held + grads + moments + meter.peak}
+    return {"times": times, "memory": held_bytes(executor, optimizer) + meter.peak, "reference": reference}
+
+
+def held_bytes(executor: RankExecutor, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the distinct storages a rank holds between steps: parameter pieces (ZeRO chunks), gradients (the
+    reducer's two bucket buffers under stage 0), the optimizer's state."""
+    tensors = [shard.tensor for shard in executor.shards.values()]
+    tensors += [tensor.grad for tensor in [*tensors, *executor.parameters()] if isinstance(tensor, torch.nn.Parameter) and tensor.grad is not None]
+    tensors += executor.parameters()
+    tensors += [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor) and value.dim()]
+    for queue in executor.reducer._queues.values():  # the runtime's buckets: no public accessor, read for the measurement only
+        for bucket in queue.buckets:
+            tensors += list(bucket.buffers)
+    storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in tensors}
+    return sum(nbytes for pointer, nbytes in storages.items() if pointer)
 
 
 class _Meter:
@@ -177,7 +201,7 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     spec = load_spec("cpu")
-    database = ProfileDB.open()
+    database = ProfileDB.open(directory=Path(tempfile.mkdtemp(prefix="lnn-profile-")))
     device = DeviceModel(spec, Profiled(database, Roofline(spec)))
     rows = []
     for model_name, recipe, world_size, params in PLANS:
@@ -186,27 +210,37 @@ def main() -> None:
         prediction = predict(plan, spec, device)
         payload = Payload(model_name, plan.sources, dict(plan.graph.constant_values), [t.name for t in plan.graph.user_inputs],
                           [plan.input_offsets(rank) for rank in range(world_size)], args.steps)
-        rows.append({"name": f"{model_name} {recipe} {params or ''} x{world_size}".replace(" {}", ""), "payload": payload,
-                     "world": world_size, "predicted": prediction.step_seconds, "predicted_memory": prediction.peak_bytes, "rounds": []})
-    database.save()
-    for _ in range(args.rounds):
+        # transient (ZeRO's gathered boxes and full gradients inside the step) is not in the measured figure: left out here too
+        comparable = [peak - row["transient"] for peak, row in zip(prediction.peak_bytes, prediction.memory, strict=True)]
+        rows.append({"name": " ".join([model_name, recipe, *(f"{key}={value}" for key, value in params.items()), f"x{world_size}"]), "payload": payload,
+                     "world": world_size, "predicted": prediction.step_seconds, "predicted_memory": comparable, "rounds": []})
+        print(f"planned {rows[-1]['name']}: predicted {prediction.step_seconds * 1e3:.1f} ms", flush=True)
+    profile_reference = reference_seconds()
+    print(f"reference loop after profiling: {profile_reference * 1e3:.2f} ms (load average {os.getloadavg()[0]:.1f})", flush=True)
+    for round_index in range(args.rounds):
         for row in rows:
             results = launch(rank_main, row["world"], row["payload"], timeout=300.0)
             steps = [max(result["times"][index] for result in results) for index in range(args.steps)]
             row["rounds"].append(statistics.median(steps))
+            row.setdefault("slowdowns", []).append(results[0]["reference"] / profile_reference)
             row["memory"] = [result["memory"] for result in results]
-    print(f"{'plan':<42} {'measured ms':>11} {'spread':>7} {'predicted ms':>12} {'error':>7} {'memory error (max over ranks)':>30}")
+            print(f"round {round_index}: {row['name']} {row['rounds'][-1] * 1e3:.1f} ms, slowdown {row['slowdowns'][-1]:.2f}, "
+                  f"predicted {row['predicted'] * row['slowdowns'][-1] * 1e3:.1f} ms (load average {os.getloadavg()[0]:.1f})", flush=True)
+    print(f"{'plan':<40} {'measured ms':>11} {'spread':>7} {'raw pred.':>9} {'slowdown':>8} {'predicted ms':>12} {'error':>7} {'memory error':>12}")
     errors, memory_errors = [], []
     for row in rows:
         measured = statistics.median(row["rounds"])
         spread = max(row["rounds"]) / min(row["rounds"]) - 1
-        error = row["predicted"] / measured - 1
+        slowdown = statistics.median(row["slowdowns"])
+        predicted = statistics.median(row["predicted"] * factor for factor in row["slowdowns"])
+        error = predicted / measured - 1
         memory_error = max(abs(p / m - 1) for p, m in zip(row["predicted_memory"], row["memory"]))
         errors.append(abs(error))
         memory_errors.append(memory_error)
-        row["measured"] = measured
-        print(f"{row['name']:<42} {measured * 1e3:>11.1f} {spread:>6.1%} {row['predicted'] * 1e3:>12.1f} {error:>+7.1%} {memory_error:>30.1%}")
-    tau = kendall_tau([row["measured"] for row in rows], [row["predicted"] for row in rows])
+        row["measured"], row["corrected"] = measured, predicted
+        print(f"{row['name']:<40} {measured * 1e3:>11.1f} {spread:>6.1%} {row['predicted'] * 1e3:>9.1f} {slowdown:>8.2f} {predicted * 1e3:>12.1f} "
+              f"{error:>+7.1%} {memory_error:>12.1%}")
+    tau = kendall_tau([row["measured"] for row in rows], [row["corrected"] for row in rows])
     print(f"\nstep time: mean absolute error {statistics.mean(errors):.1%} (goal <= 10 %), Kendall tau {tau:.2f} (goal >= 0.9); "
           f"peak memory: mean error {statistics.mean(memory_errors):.1%}, worst {max(memory_errors):.1%} (goal within 10 %); "
           f"{len(rows)} plans, {args.rounds} rounds, torch {torch.__version__}")

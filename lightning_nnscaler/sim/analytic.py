@@ -46,6 +46,7 @@ def transformer_task_lists(shape: TransformerShape, spec: HardwareSpec, *, dp: i
     forward_task = Compute(forward, "forward", activation_bytes=kept)
     backward_task = Compute(2 * forward, "backward", activation_bytes=-kept)
     optimizer = Compute(7 * 2 * weight_bytes / spec.memory_bandwidth, "optimizer")  # fp32 master weights and moments
+    keys = [[_key(action) for action in column] for column in schedule.actions]
     lists: list[list[Task]] = []
     for rank in range(dp * tp * pp):
         replica, rest = divmod(rank, pp * tp)
@@ -58,7 +59,7 @@ def transformer_task_lists(shape: TransformerShape, spec: HardwareSpec, *, dp: i
         for column in {stage - 1, stage + 1} & set(range(pp)):
             peer = (replica * pp + column) * tp + piece
             tasks_of[column, "send"], tasks_of[column, "recv"] = (Send(peer, activation),), (Recv(peer),)
-        tasks = [task for action in schedule.actions[stage] for task in tasks_of[_key(action)]]
+        tasks = [task for key in keys[stage] for task in tasks_of[key]]
         tasks += [Collective("all_reduce", dp_group, int(weight_bytes), "gradients", blocking=False), WaitCollectives(), optimizer]
         lists.append(tasks)
     return lists

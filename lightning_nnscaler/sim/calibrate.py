@@ -60,3 +60,20 @@ def _adamw_fit() -> tuple[float, float]:
     per_tensor = max(small_time - large_time * many[0] * many[1] / large[1], 0.0) / many[0]
     per_element = max(large_time - per_tensor, 0.0) / large[1]
     return per_tensor, per_element
+
+
+def reference_seconds() -> float:
+    """A fixed mix of small matmuls, elementwise ops and copies in this thread (median of 5 runs): how fast
+    the machine is right now. The ratio of two readings is the slowdown between them (e.g. other processes'
+    load), applied to every simulated duration of a CPU prediction — one scalar from a microbenchmark,
+    never from the plans being predicted."""
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+    x = torch.randn(64 * 1024)
+
+    def mix() -> None:
+        for _ in range(20):
+            torch.mm(a, b)
+            torch.nn.functional.gelu(x).add_(x)
+            x.clone()
+
+    return median_seconds(mix, repeats=5, warmup=1)

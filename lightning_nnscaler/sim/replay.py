@@ -82,7 +82,8 @@ class ListRun:
                     self.waiting.setdefault(key, []).append(rank)
                     break
                 self.received[channel] = key[2] + 1
-                clock = self._wait(rank, clock, message[0], message[1], "recv", task.label)
+                if message[1] > clock:
+                    clock = self._wait(rank, clock, message[0], message[1], "recv", task.label)
             elif kind is Collective:
                 key = self.current[rank] or self._arrive(rank, task, clock)
                 if not task.blocking:
@@ -94,7 +95,8 @@ class ListRun:
                         self.waiting.setdefault(key, []).append(rank)
                         break
                     self.current[rank] = None
-                    clock = self._wait(rank, clock, window[0], window[1], task.kind, task.label)
+                    if window[1] > clock:
+                        clock = self._wait(rank, clock, window[0], window[1], task.kind, task.label)
             else:
                 unresolved = next((key for key in self.pending[rank] if key not in self.windows), None)
                 if unresolved is not None:
@@ -133,9 +135,10 @@ class ListRun:
         self.current[rank] = key
         arrived = self.arrivals.get(key)
         if arrived is None:
-            arrived = self.arrivals[key] = [0, 0.0]
+            arrived = self.arrivals[key] = [0, clock]
         arrived[0] += 1
-        arrived[1] = max(arrived[1], clock)
+        if clock > arrived[1]:
+            arrived[1] = clock
         if arrived[0] == len(task.group):
             del self.arrivals[key]
             start = arrived[1]
