@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_nnscaler.explain import MEMORY_KEYS
+from lightning_nnscaler.explain import MEMORY_KEYS, human_bytes
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.sim.costs import CommModel, ComputeModel, OpTime, Roofline
 from lightning_nnscaler.sim.from_plan import plan_task_lists
@@ -47,11 +47,22 @@ class Prediction:
 
     simulation: SimResult
     memory: list[dict[str, int]]
+    spec_name: str = ""
 
     @property
     def step_seconds(self) -> float:
         """Simulated seconds of one training step."""
         return self.simulation.step_seconds
+
+    def summary(self) -> str:
+        """One line: the simulated step, its bubble and the busiest rank's compute, communication and idle shares."""
+        ranks = self.simulation.ranks
+        step = self.step_seconds or 1.0
+        worst = max(range(len(ranks)), key=lambda rank: ranks[rank].communication + ranks[rank].idle)
+        stats = ranks[worst]
+        return (f"predicted step on {self.spec_name}: {self.step_seconds * 1e3:.3f} ms (simulated; bubble {self.simulation.bubble_fraction:.1%}; "
+                f"rank {worst}: compute {stats.busy / step:.0%}, communication {stats.communication / step:.0%}, idle {stats.idle / step:.0%}); "
+                f"peak memory {human_bytes(max(self.peak_bytes))} on the fullest rank")
 
     @property
     def peak_bytes(self) -> list[int]:
@@ -72,4 +83,4 @@ def predict(plan: Any, spec: HardwareSpec | str = "a100", device: DeviceModel | 
     memory = []
     for row, stats in zip(plan.memory_rows(), result.ranks, strict=True):
         memory.append({**{key: row[key] for key in MEMORY_KEYS}, "activations": stats.peak_activation_bytes})
-    return Prediction(result, memory)
+    return Prediction(result, memory, spec.name)

@@ -29,7 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"ir"},
     "logged_values": {"ir", "capture", "plans"},
     "explain": {"ir", "materialize", "plans"},
-    "parallelize": {"ir", "capture", "plans", "schedules", "materialize", "codegen", "runtime", "verify", "draw", "explain", "logged_values"},
+    "parallelize": {"ir", "capture", "plans", "schedules", "materialize", "codegen", "runtime", "verify", "draw", "explain", "logged_values", "sim"},
     "strategy": {"ir", "capture", "plans", "codegen", "runtime", "checkpoint", "parallelize", "explain"},
     "data": set(),
     "draw": {"ir", "materialize", "schedules", "explain"},

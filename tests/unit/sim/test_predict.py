@@ -27,3 +27,11 @@ def test_predicted_memory_matches_explain_and_the_step_takes_time(gpt_and_batch,
     rows = plan.memory_rows()
     assert [row["activations"] for row in prediction.memory] == [row["activations"] for row in rows]
     assert all(rank.busy > 0 for rank in prediction.simulation.ranks)
+
+
+def test_explain_with_a_spec_ends_with_the_predicted_step(gpt_and_batch) -> None:
+    model, batch = gpt_and_batch
+    plan = lnn.parallelize(model, batch, "1f1b", 2, step="training_step", stages=2, microbatches=2)
+    assert plan.explain() == plan.explain(None)
+    last = plan.explain("h100").splitlines()[-1]
+    assert last.startswith("predicted step on H100-SXM5-80GB: ") and "bubble" in last
