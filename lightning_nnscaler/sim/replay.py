@@ -56,19 +56,21 @@ class ListRun:
             self.ready.extend(sleepers)
 
     def advance(self, rank: int) -> None:
-        """Run ``rank``'s tasks until one waits for a peer, or the list ends."""
+        """Run ``rank``'s tasks until one waits for a peer, or the list ends (hot loop: state in locals)."""
         tasks, stats, record = self.lists[rank], self.stats[rank], self.record
-        index, clock = self.cursor[rank], self.clock[rank]
-        while index < len(tasks):
+        messages, received, windows = self.messages, self.received, self.windows
+        index, clock, count = self.cursor[rank], self.clock[rank], len(tasks)
+        busy, live, peak = 0.0, self.live[rank], stats.peak_activation_bytes
+        while index < count:
             task = tasks[index]
             kind = type(task)
             if kind is Compute:
                 end = clock + task.seconds
-                stats.busy += task.seconds
+                busy += task.seconds
                 if task.activation_bytes:
-                    self.live[rank] += task.activation_bytes
-                    if self.live[rank] > stats.peak_activation_bytes:
-                        stats.peak_activation_bytes = self.live[rank]
+                    live += task.activation_bytes
+                    if live > peak:
+                        peak = live
                 if record:
                     self.spans[rank].append(Span(task.kind, clock, end, task.label))
                 clock = end
@@ -76,12 +78,12 @@ class ListRun:
                 self._post(rank, task, clock)
             elif kind is Recv:
                 channel = (task.peer, rank)
-                key = (task.peer, rank, self.received.get(channel, 0))
-                message = self.messages.pop(key, None)
+                number = received.get(channel, 0)
+                message = messages.pop((task.peer, rank, number), None)
                 if message is None:
-                    self.waiting.setdefault(key, []).append(rank)
+                    self.waiting.setdefault((task.peer, rank, number), []).append(rank)
                     break
-                self.received[channel] = key[2] + 1
+                received[channel] = number + 1
                 if message[1] > clock:
                     clock = self._wait(rank, clock, message[0], message[1], "recv", task.label)
             elif kind is Collective:
@@ -90,7 +92,7 @@ class ListRun:
                     self.pending[rank].append(key)
                     self.current[rank] = None
                 else:
-                    window = self.windows.get(key)
+                    window = windows.get(key)
                     if window is None:
                         self.waiting.setdefault(key, []).append(rank)
                         break
@@ -98,17 +100,19 @@ class ListRun:
                     if window[1] > clock:
                         clock = self._wait(rank, clock, window[0], window[1], task.kind, task.label)
             else:
-                unresolved = next((key for key in self.pending[rank] if key not in self.windows), None)
+                unresolved = next((key for key in self.pending[rank] if key not in windows), None)
                 if unresolved is not None:
                     self.waiting.setdefault(unresolved, []).append(rank)
                     break
-                windows = [self.windows[key] for key in self.pending[rank]]
+                spans = [windows[key] for key in self.pending[rank]]
                 self.pending[rank] = []
-                if windows:
-                    clock = self._wait(rank, clock, min(start for start, _ in windows), max(end for _, end in windows), "wait", task.label)
+                if spans:
+                    clock = self._wait(rank, clock, min(start for start, _ in spans), max(end for _, end in spans), "wait", task.label)
             index += 1
-        self.cursor[rank], self.clock[rank] = index, clock
-        if index == len(tasks):
+        self.cursor[rank], self.clock[rank], self.live[rank] = index, clock, live
+        stats.busy += busy
+        stats.peak_activation_bytes = peak
+        if index == count:
             stats.end = clock
 
     def _post(self, rank: int, task: Send, clock: float) -> None:
