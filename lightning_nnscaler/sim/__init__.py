@@ -3,7 +3,9 @@
 - ``specs``: hardware specs in YAML (V100, A100, H100, H200 from datasheets; ``cpu`` measured here).
 - ``costs``: op work (FLOPs, bytes), roofline time, α–β communication with ring conventions.
 - ``profile``: measured op times, cached per device in the user cache directory.
-- ``tasks`` / ``simulate``: per-rank task lists and their discrete-event simulation.
+- ``tasks`` / ``simulate``: per-rank task lists and their discrete-event simulation (``replay``: list
+  scheduling for dedicated devices; ``events``: an event heap for ranks sharing CPU cores; ``results``).
+- ``calibrate``: the microbenchmarks behind the measured ``cpu`` spec (``benchmarks/calibrate_comm.py``).
 - ``from_plan`` / ``predict``: a Plan's task lists and its predicted step time and memory.
 - ``analytic``: dp × tp × pp transformer plans built from shapes alone (GPT-3 175B on 1024 GPUs).
 """

@@ -51,6 +51,7 @@ class EventRun:
         self.last_update: dict[int, float] = {}
 
     def go(self) -> None:
+        """Advance ready ranks at ``now``, then take the next event in time order, until none is left."""
         ready = deque(range(self.world))
         while True:
             while ready:
