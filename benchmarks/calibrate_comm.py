@@ -3,7 +3,7 @@
 For 2 and 4 local gloo ranks (one intra-op thread each, as the benchmarks run them), times each
 collective the runtime uses (``TorchDistributedCommunicator``: all_reduce, all_gather,
 reduce_scatter, all_to_all) and point-to-point messages (send on rank 0, recv on rank 1) at a few
-buffer sizes, interleaved, median of repeats; fits ``time = alpha + beta · ring bytes`` per kind and
+buffer sizes, interleaved, the fastest of the repeats (on a shared machine other processes only add time); fits ``time = alpha + beta · ring bytes`` per kind and
 group size (``sim.costs.ring_bytes``). One process measures matmul FLOP/s, copy bandwidth, the
 per-op overhead and AdamW's step (``sim.calibrate``). Writes the spec YAML (default: the package's
 ``sim/specs/cpu.yaml``) and prints the fits.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -64,7 +63,7 @@ def rank_main(rank: int, world_size: int) -> dict[str, list[tuple[int, float]]]:
                 samples.setdefault((kind, nbytes), []).append(time.perf_counter() - start)
     results: dict[str, list[tuple[int, float]]] = {}
     for (kind, nbytes), times in samples.items():
-        results.setdefault(kind, []).append((nbytes, statistics.median(times[1:])))
+        results.setdefault(kind, []).append((nbytes, min(times[1:])))
     return results
 
 

@@ -1,12 +1,12 @@
 """Measuring this machine for the ``cpu`` spec: compute microbenchmarks and the α–β fit of timed messages.
 
-Only standard ops with synthetic tensors, each timed as the median of repeats after a warm-up.
+Only standard ops with synthetic tensors, each timed as the fastest of several repeats after a warm-up
+(on a shared machine other processes only ever add time, so the minimum is the least disturbed reading).
 ``benchmarks/calibrate_comm.py`` adds the gloo collectives and writes ``specs/cpu.yaml``.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 
-def median_seconds(run: Callable[[], object], repeats: int = 7, warmup: int = 2) -> float:
-    """Median wall time of ``run()`` over ``repeats`` after ``warmup`` calls."""
+def timed_seconds(run: Callable[[], object], repeats: int = 7, warmup: int = 2, statistic: Callable[[list[float]], float] = min) -> float:
+    """Wall time of ``run()``: ``statistic`` (default the fastest) of ``repeats`` after ``warmup`` calls."""
     for _ in range(warmup):
         run()
     samples = []
@@ -23,7 +23,7 @@ def median_seconds(run: Callable[[], object], repeats: int = 7, warmup: int = 2)
         start = time.perf_counter()
         run()
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return statistic(samples)
 
 
 def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
@@ -37,12 +37,12 @@ def measure_compute() -> dict[str, float]:
     overhead (a 1-element add) and the AdamW fit (seconds per tensor, per element)."""
     size = 512
     a, b = torch.randn(size, size), torch.randn(size, size)
-    flops = 2 * size**3 / median_seconds(lambda: torch.mm(a, b))
+    flops = 2 * size**3 / timed_seconds(lambda: torch.mm(a, b))
     source = torch.randn(16 * 2**20 // 4)
     target = torch.empty_like(source)
-    bandwidth = 2 * source.numel() * 4 / median_seconds(lambda: target.copy_(source))
+    bandwidth = 2 * source.numel() * 4 / timed_seconds(lambda: target.copy_(source))
     one = torch.ones(1)
-    overhead = median_seconds(lambda: torch.add(one, one), repeats=51)
+    overhead = timed_seconds(lambda: torch.add(one, one), repeats=51)
     return {"flops": flops, "bandwidth": bandwidth, "overhead": overhead, **dict(zip(("optimizer_per_tensor", "optimizer_per_element"), _adamw_fit()))}
 
 
@@ -53,7 +53,7 @@ def _adamw_fit() -> tuple[float, float]:
         for parameter in parameters:
             parameter.grad = torch.randn(numel)
         optimizer = torch.optim.AdamW(parameters)
-        return median_seconds(optimizer.step, repeats=5)
+        return timed_seconds(optimizer.step, repeats=5)
 
     many, large = (200, 64), (1, 2**21)
     small_time, large_time = step_seconds(*many), step_seconds(*large)
@@ -61,19 +61,3 @@ def _adamw_fit() -> tuple[float, float]:
     per_element = max(large_time - per_tensor, 0.0) / large[1]
     return per_tensor, per_element
 
-
-def reference_seconds() -> float:
-    """A fixed mix of small matmuls, elementwise ops and copies in this thread (median of 5 runs): how fast
-    the machine is right now. The ratio of two readings is the slowdown between them (e.g. other processes'
-    load), applied to every simulated duration of a CPU prediction — one scalar from a microbenchmark,
-    never from the plans being predicted."""
-    a, b = torch.randn(128, 128), torch.randn(128, 128)
-    x = torch.randn(64 * 1024)
-
-    def mix() -> None:
-        for _ in range(20):
-            torch.mm(a, b)
-            torch.nn.functional.gelu(x).add_(x)
-            x.clone()
-
-    return median_seconds(mix, repeats=5, warmup=1)

@@ -4,8 +4,9 @@ An op is keyed by its target, its input pieces' shapes and dtypes, its other arg
 and the intra-op threads; the cache is a JSON file per device in the user's cache directory
 (``platformdirs``; ``LNN_PROFILE_CACHE`` overrides the folder), never in the repository. A miss
 runs the op on random inputs of the pieces' shapes (integers as zeros, so indices stay in range):
-a warm-up, then repeats until ``min_seconds`` or ``max_repeats``, the median forward and the
-median forward+backward minus it. Ops that cannot run alone fall back to the roofline.
+a warm-up, then repeats until ``min_seconds`` or ``max_repeats``; the forward's time and the
+forward+backward's minus it, each the ``statistic`` of the repeats (the median; ``min`` on a shared
+machine, where other processes only ever add time). Ops that cannot run alone fall back to the roofline.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,8 +83,10 @@ class ProfileDB:
         partial.replace(self.path)
 
 
-def measure_op(op: Op, device: str = "cpu", *, min_seconds: float = 0.01, max_repeats: int = 20) -> OpTime:
-    """Run ``op`` alone on random inputs of its shapes; median forward and backward seconds.
+def measure_op(
+    op: Op, device: str = "cpu", *, min_seconds: float = 0.01, max_repeats: int = 20, statistic: Callable[[list[float]], float] = statistics.median,
+) -> OpTime:
+    """Run ``op`` alone on random inputs of its shapes; forward and backward seconds (``statistic`` of the repeats).
 
     Raises:
         RuntimeError: when the op cannot run on made-up inputs (e.g. it needs real indices).
@@ -103,10 +107,10 @@ def measure_op(op: Op, device: str = "cpu", *, min_seconds: float = 0.01, max_re
         if outputs and leaves:
             torch.autograd.grad(outputs, leaves, [torch.ones_like(value) for value in outputs], allow_unused=True)
 
-    forward_seconds = _median_seconds(forward, device, min_seconds, max_repeats)
+    forward_seconds = _seconds(forward, device, min_seconds, max_repeats, statistic)
     if not (work.has_backward and leaves) or op.target in VIEWS:
         return OpTime(forward_seconds, 0.0 if not work.has_backward else forward_seconds)
-    both = _median_seconds(forward_backward, device, min_seconds, max_repeats)
+    both = _seconds(forward_backward, device, min_seconds, max_repeats, statistic)
     return OpTime(forward_seconds, max(both - forward_seconds, 0.0))
 
 
@@ -127,7 +131,7 @@ def _tensors(value: object) -> list[torch.Tensor]:
     return []
 
 
-def _median_seconds(run, device: str, min_seconds: float, max_repeats: int) -> float:
+def _seconds(run: Callable[[], object], device: str, min_seconds: float, max_repeats: int, statistic: Callable[[list[float]], float]) -> float:
     synchronize = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     run()
     synchronize()
@@ -139,7 +143,7 @@ def _median_seconds(run, device: str, min_seconds: float, max_repeats: int) -> f
         synchronize()
         samples.append(time.perf_counter() - start)
         total += samples[-1]
-    return statistics.median(samples)
+    return statistic(samples)
 
 
 @dataclass
@@ -150,6 +154,7 @@ class Profiled:
     fallback: ComputeModel
     device: str = "cpu"
     measure: bool = True
+    statistic: Callable[[list[float]], float] = statistics.median
     misses: int = 0
 
     def op_time(self, op: Op) -> OpTime:
@@ -159,7 +164,7 @@ class Profiled:
         if entry is None and self.measure:
             self.misses += 1
             try:
-                measured = measure_op(op, self.device)
+                measured = measure_op(op, self.device, statistic=self.statistic)
             except Exception:  # noqa: BLE001 - an op that cannot run alone is priced by the fallback
                 return self.fallback.op_time(op)
             entry = self.database.entries[key] = (measured.forward, measured.backward)
