@@ -168,15 +168,22 @@ class Plan:
 
         return draw_plan(self, path)
 
-    def explain(self) -> str:
+    def explain(self, spec: str | None = None) -> str:
         """The ``memory_rows`` as a table: per rank, parameter, gradient, optimizer (Adam assumed),
-        activation and transient bytes, and bytes sent per step; footnotes state the assumptions."""
+        activation and transient bytes, and bytes sent per step; footnotes state the assumptions.
+
+        With ``spec`` (a hardware spec name such as ``"h100"`` or a YAML path, see ``sim.specs``), a last
+        line gives the simulated step time on that hardware (roofline op costs, α–β communication)."""
         title = f"plan {self.plan_hash[:12]}: recipe {self.recipe} {self.params} on {self.world_size} ranks" + (
             f", ZeRO stage {self.zero_stage}" if self.zero_stage else ""
         )
         lines = [explain_table(title, self.memory_rows())]
         if self.pipeline is not None:
             lines += ["", explain_pipeline(self.pipeline)]
+        if spec is not None:
+            from lightning_nnscaler.sim import predict  # the simulator only when asked
+
+            lines += ["", predict(self, spec).summary()]
         return "\n".join(lines)
 
 

@@ -1,0 +1,164 @@
+"""What ops and messages cost: work per op (FLOPs, bytes), roofline time on a ``HardwareSpec``, α–β communication.
+
+Work of an op (forward): matmul-like ops ``2·(output elements)·K`` FLOPs with ``K`` the contracted
+size (Kaplan et al. 2020, §2.1: 2 FLOPs per multiply-add); attention ``4·B·H·L·S·E`` (QKᵀ and AV);
+convolution ``2·(output elements)·(C_in/groups·k_h·k_w)``; anything else one FLOP per output
+element. Bytes are what the op reads and writes; view-like ops move nothing. This refines the
+estimate the pipeline stages are balanced with (``plans.pipeline.op_cost``).
+
+Roofline (Williams et al. 2009): ``overhead + max(FLOPs / (peak[dtype]·matmul_efficiency),
+bytes / (bandwidth·memory_efficiency))``. Backward costs twice the forward's work (input and
+weight gradients, each a matmul of the forward's size); an op with no floating input or output,
+or under ``no_grad``, has no backward.
+
+Communication, α–β per collective with the ring conventions of ``explain`` (bytes one rank sends
+for a buffer of ``n`` bytes among ``p`` ranks): all-reduce ``2(p-1)/p·n`` in ``2(p-1)`` steps;
+all-gather, reduce-scatter, all-to-all and broadcast ``(p-1)/p·n`` in ``p-1`` steps; a message
+``n`` in one. Time = steps·latency + ring bytes / bandwidth over the slowest link the group spans
+(inter-node when its ranks are on more than one node), or a fitted ``alpha + beta·ring bytes``
+from the spec's ``collectives`` table when it has one for the kind and group size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from lightning_nnscaler.ir.op import Op
+from lightning_nnscaler.ir.tensor import dtype_bytes
+from lightning_nnscaler.sim.specs import HardwareSpec, Link
+
+MATMULS = frozenset({"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default"})
+ADD_MATMULS = frozenset({"aten.addmm.default", "aten.baddbmm.default"})  # (bias, a, b): K from a
+ATTENTION = frozenset({"aten.scaled_dot_product_attention.default", "aten._scaled_dot_product_flash_attention_for_cpu.default"})
+CONVOLUTIONS = frozenset({"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", "aten.convolution.default"})
+VIEWS = frozenset({
+    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.transpose.int", "aten.t.default",
+    "aten.permute.default", "aten.expand.default", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.default",
+    "aten.slice.Tensor", "aten.select.int", "aten.alias.default", "aten.detach.default", "aten.unflatten.int",
+    "aten.flatten.using_ints", "aten.split.Tensor", "aten.chunk.default", "aten.unbind.int", "aten.split_with_sizes.default",
+})
+FLOATING = frozenset({"float16", "bfloat16", "float32", "float64", "complex64", "complex128"})
+
+
+@dataclass(frozen=True)
+class OpWork:
+    """Forward work of one op: FLOPs, bytes read and written, the dtype its FLOPs run in, and whether it is a matmul."""
+
+    flops: float
+    nbytes: float
+    dtype: str
+    matmul: bool
+    has_backward: bool
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """Seconds of one op's forward and of its backward (0 when it has none)."""
+
+    forward: float
+    backward: float
+
+
+class ComputeModel(Protocol):
+    """Per-op time on one device (``Roofline``, ``profile.Profiled``)."""
+
+    def op_time(self, op: Op) -> OpTime:
+        """Forward and backward seconds of ``op``."""
+
+
+def op_work(op: Op) -> OpWork:
+    """The forward FLOPs and bytes of ``op`` from its pieces' shapes (see the module docstring)."""
+    inputs = op.tensor_inputs
+    outputs = op.outputs
+    out_elements = sum(math.prod(output.shape) for output in outputs)
+    dtype = outputs[0].tensor.dtype if outputs else (inputs[0].tensor.dtype if inputs else "float32")
+    has_backward = not op.no_grad and any(piece.tensor.dtype in FLOATING for piece in inputs) and dtype in FLOATING
+    if op.target in VIEWS:
+        return OpWork(0.0, 0.0, dtype, False, has_backward)
+    nbytes = float(sum(math.prod(piece.shape) * dtype_bytes(piece.tensor.dtype) for piece in (*inputs, *outputs)))
+    flops, matmul = float(out_elements), False
+    if op.target in MATMULS and inputs and inputs[0].shape:
+        flops, matmul = 2.0 * out_elements * inputs[0].shape[-1], True
+    elif op.target in ADD_MATMULS and len(inputs) >= 2 and inputs[1].shape:
+        flops, matmul = 2.0 * out_elements * inputs[1].shape[-1], True
+    elif op.target in ATTENTION and len(inputs) >= 3 and len(inputs[1].shape) >= 2:
+        flops, matmul = 4.0 * math.prod(inputs[0].shape) * inputs[1].shape[-2], True
+    elif op.target in CONVOLUTIONS and len(inputs) >= 2 and len(inputs[1].shape) >= 2:
+        flops, matmul = 2.0 * out_elements * math.prod(inputs[1].shape[1:]), True
+    return OpWork(flops, nbytes, dtype, matmul, has_backward)
+
+
+def roofline_seconds(spec: HardwareSpec, flops: float, nbytes: float, dtype: str = "float32", matmul: bool = True) -> float:
+    """Time of ``flops`` and ``nbytes`` on ``spec`` (no per-op overhead): the slower of compute and memory."""
+    rate = spec.flops(dtype) * (spec.matmul_efficiency if matmul else 1.0)
+    return max(flops / rate, nbytes / (spec.memory_bandwidth * spec.memory_efficiency))
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """The analytic compute model on ``spec`` (see the module docstring)."""
+
+    spec: HardwareSpec
+
+    def op_time(self, op: Op) -> OpTime:
+        """Forward and backward seconds of ``op``: overhead plus roofline; backward twice the work."""
+        work = op_work(op)
+        forward = self.spec.op_overhead_s + roofline_seconds(self.spec, work.flops, work.nbytes, work.dtype, work.matmul)
+        if not work.has_backward:
+            return OpTime(forward, 0.0)
+        backward = self.spec.op_overhead_s + 2 * roofline_seconds(self.spec, work.flops, work.nbytes, work.dtype, work.matmul)
+        return OpTime(forward, backward)
+
+    def optimizer_seconds(self, elements: int, element_bytes: int = 4) -> float:
+        """One AdamW step over ``elements``: memory-bound, reading parameter, gradient and two moments
+        and writing parameter and moments (7 tensors' bytes), plus one overhead per tensor kind."""
+        return 4 * self.spec.op_overhead_s + 7 * elements * element_bytes / (self.spec.memory_bandwidth * self.spec.memory_efficiency)
+
+
+def ring_bytes(kind: str, ranks: int, nbytes: float) -> float:
+    """Bytes one rank sends in a ring ``kind`` over ``ranks`` on a buffer of ``nbytes`` (``explain``'s convention)."""
+    if kind in ("send", "recv", "p2p"):
+        return float(nbytes)
+    factor = 2 if kind == "all_reduce" else 1
+    return factor * (ranks - 1) * nbytes / ranks
+
+
+def ring_steps(kind: str, ranks: int) -> int:
+    """Latency-bound steps of a ring ``kind``: all-reduce ``2(p-1)``, the others ``p-1``, a message 1."""
+    if kind in ("send", "recv", "p2p"):
+        return 1
+    return (2 if kind == "all_reduce" else 1) * (ranks - 1)
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """α–β communication on ``spec``'s links, or its fitted table (implements ``simulate.CommunicationModel``)."""
+
+    spec: HardwareSpec
+
+    def link(self, ranks: tuple[int, ...]) -> Link:
+        """The slowest link among ``ranks``: inter-node when they lie on more than one node."""
+        nodes = {rank // self.spec.ranks_per_node for rank in ranks}
+        return self.spec.inter_node if len(nodes) > 1 else self.spec.intra_node
+
+    def p2p_seconds(self, src: int, dst: int, nbytes: int) -> tuple[float, float]:
+        """(latency, transfer seconds) of one message."""
+        fit = self.spec.collectives.get("p2p", {}).get(2)
+        if fit is not None:
+            return fit[0], fit[1] * nbytes
+        link = self.link((src, dst))
+        return link.latency, nbytes / link.bandwidth
+
+    def collective_seconds(self, kind: str, group: tuple[int, ...], nbytes: int) -> float:
+        """Seconds of one ``kind`` over ``group`` on a buffer of ``nbytes`` per rank (0 for a group of one)."""
+        ranks = len(group)
+        if ranks < 2:
+            return 0.0
+        moved = ring_bytes(kind, ranks, nbytes)
+        fit = self.spec.collectives.get(kind, {}).get(ranks)
+        if fit is not None:
+            return fit[0] + fit[1] * moved
+        link = self.link(group)
+        return ring_steps(kind, ranks) * link.latency + moved / link.bandwidth

@@ -1,0 +1,259 @@
+"""The event-driven engine: ranks that share a node's cores slow each other down (processor sharing).
+
+A heap of events in time order (compute ends, wake-ups). With ``k`` ranks computing on a node of
+``c`` cores each runs at ``min(1, c / k)``; every start or end of a compute task on the node
+re-rates the others. ``simulate`` uses it when ``Machine.cores_per_node`` is set.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+
+from lightning_nnscaler.sim.results import CommunicationModel, Machine, RankStats, Span
+from lightning_nnscaler.sim.tasks import Collective, Compute, Recv, Send, Task, WaitCollectives
+
+_READY, _COMPUTING, _BLOCKED = 0, 1, 2
+
+
+class EventRun:
+    """The state of one simulation (see ``simulate``)."""
+
+    def __init__(self, lists: Sequence[Sequence[Task]], comm: CommunicationModel, machine: Machine, record: bool) -> None:
+        self.lists, self.comm, self.machine, self.record = lists, comm, machine, record
+        self.world = len(lists)
+        self.cursor = [0] * self.world
+        self.state = [_READY] * self.world
+        self.stats = [RankStats() for _ in range(self.world)]
+        self.spans: list[list[Span]] = [[] for _ in range(self.world)]
+        self.blocked_since: list[float | None] = [None] * self.world
+        self.live = [0] * self.world
+        self.started = [0.0] * self.world
+        self.now = 0.0
+        self.events: list[tuple[float, int, int, int]] = []  # (time, sequence, rank, compute version or -wake token)
+        self.sequence = 0
+        self.version = [0] * self.world
+        self.wake_token = [0] * self.world  # a blocked rank waits for one thing: only its latest wake-up counts
+        self.sent: dict[tuple[int, int], int] = {}
+        self.received: dict[tuple[int, int], int] = {}
+        self.messages: dict[tuple[int, int, int], tuple[float, float]] = {}  # (src, dst, k) -> (posted, arrives)
+        self.channel_free: dict[tuple[int, int], float] = {}
+        self.message_waiter: dict[tuple[int, int, int], int] = {}
+        self.collective_count: dict[tuple[int, tuple[int, ...]], int] = {}
+        self.arrivals: dict[tuple, dict[int, float]] = {}
+        self.collective_window: dict[tuple, tuple[float, float]] = {}  # key -> (start, end)
+        self.current_collective: list[tuple | None] = [None] * self.world
+        self.pending: list[list[tuple]] = [[] for _ in range(self.world)]
+        self.comm_free: dict[tuple[int, tuple[int, ...]], float] = {}  # (rank, group) -> when its stream is free
+        self.shared = machine.cores_per_node is not None
+        self.active: dict[int, dict[int, list[float]]] = {}  # node -> rank -> [remaining work, rate]
+        self.last_update: dict[int, float] = {}
+
+    def go(self) -> None:
+        """Advance ready ranks at ``now``, then take the next event in time order, until none is left."""
+        ready = deque(range(self.world))
+        while True:
+            while ready:
+                rank = ready.popleft()
+                if self.state[rank] == _READY:
+                    self.advance(rank)
+            if not self.events:
+                return
+            time, _, rank, version = heapq.heappop(self.events)
+            self.now = time
+            if version < 0:
+                if self.state[rank] == _BLOCKED and -version == self.wake_token[rank]:
+                    self.state[rank] = _READY
+                    ready.append(rank)
+            elif version == self.version[rank] and self.state[rank] == _COMPUTING:
+                self.finish_compute(rank)
+                ready.append(rank)
+
+    def push(self, time: float, rank: int, version: int | None = None) -> None:
+        """Queue ``rank``'s compute end (``version``) or, without one, a wake-up that replaces any earlier one."""
+        self.sequence += 1
+        if version is None:
+            self.wake_token[rank] += 1
+            version = -self.wake_token[rank]
+        heapq.heappush(self.events, (time, self.sequence, rank, version))
+
+    def advance(self, rank: int) -> None:
+        """Run ``rank``'s tasks at ``now`` until it computes, blocks or ends."""
+        tasks = self.lists[rank]
+        while self.cursor[rank] < len(tasks):
+            task = tasks[self.cursor[rank]]
+            kind = type(task)
+            if kind is Compute:
+                self.start_compute(rank, task)
+                return
+            if kind is Send:
+                self.post(rank, task)
+            elif kind is Recv:
+                if not self.receive(rank, task):
+                    return
+            elif kind is Collective:
+                if not self.collective(rank, task):
+                    return
+            elif not self.wait_collectives(rank):
+                return
+            self.cursor[rank] += 1
+        self.stats[rank].end = self.now
+
+    # --- compute -------------------------------------------------------------------------------------
+
+    def start_compute(self, rank: int, task: Compute) -> None:
+        self.state[rank] = _COMPUTING
+        self.live[rank] += task.activation_bytes
+        stats = self.stats[rank]
+        stats.peak_activation_bytes = max(stats.peak_activation_bytes, self.live[rank])
+        self.started[rank] = self.now
+        if not self.shared:
+            self.version[rank] += 1
+            self.push(self.now + task.seconds, rank, self.version[rank])
+            return
+        node = rank // self.machine.ranks_per_node
+        self._reshare(node)
+        self.active.setdefault(node, {})[rank] = [task.seconds, 1.0]
+        self._reshare(node, changed=True)
+
+    def finish_compute(self, rank: int) -> None:
+        task = self.lists[rank][self.cursor[rank]]
+        start = self.started[rank]
+        self.stats[rank].busy += self.now - start
+        if self.record:
+            self.spans[rank].append(Span(task.kind, start, self.now, task.label))
+        if self.shared:
+            node = rank // self.machine.ranks_per_node
+            self._reshare(node)
+            del self.active[node][rank]
+            self._reshare(node, changed=True)
+        self.state[rank] = _READY
+        self.cursor[rank] += 1
+
+    def _reshare(self, node: int, changed: bool = False) -> None:
+        """Bring the node's running tasks' remaining work up to ``now``; after a change, new rates and end events."""
+        running = self.active.get(node, {})
+        elapsed = self.now - self.last_update.get(node, self.now)
+        for work in running.values():
+            work[0] -= elapsed * work[1]
+        self.last_update[node] = self.now
+        if not changed or not running:
+            return
+        rate = min(1.0, self.machine.cores_per_node / len(running))
+        for rank, work in running.items():
+            work[1] = rate
+            self.version[rank] += 1
+            self.push(self.now + max(work[0], 0.0) / rate, rank, self.version[rank])
+
+    # --- point to point ------------------------------------------------------------------------------
+
+    def post(self, rank: int, task: Send) -> None:
+        channel = (rank, task.peer)
+        number = self.sent.get(channel, 0)
+        self.sent[channel] = number + 1
+        latency, transfer = self.comm.p2p_seconds(rank, task.peer, task.nbytes)
+        start = max(self.now, self.channel_free.get(channel, 0.0))
+        self.channel_free[channel] = start + transfer
+        key = (rank, task.peer, number)
+        self.messages[key] = (self.now, start + transfer + latency)
+        waiter = self.message_waiter.pop(key, None)
+        if waiter is not None:
+            self.push(start + transfer + latency, waiter)
+
+    def receive(self, rank: int, task: Recv) -> bool:
+        channel = (task.peer, rank)
+        key = (task.peer, rank, self.received.get(channel, 0))
+        since = self._block_start(rank)
+        message = self.messages.get(key)
+        if message is None:
+            self.message_waiter[key] = rank
+            return self._block(rank)
+        posted, arrives = message
+        if arrives > self.now:
+            self.push(arrives, rank)
+            return self._block(rank)
+        self.received[channel] = key[2] + 1
+        del self.messages[key]
+        self._account_wait(rank, since, max(since, posted), "recv", task.label)
+        return True
+
+    # --- collectives ---------------------------------------------------------------------------------
+
+    def collective(self, rank: int, task: Collective) -> bool:
+        key = self.current_collective[rank]
+        if key is None:
+            counter = (rank, task.group)
+            number = self.collective_count.get(counter, 0)
+            self.collective_count[counter] = number + 1
+            key = (task.group, number)
+            self.current_collective[rank] = key
+            members = self.arrivals.setdefault(key, {})
+            members[rank] = self.now
+            if len(members) == len(task.group):
+                self._resolve(key, task)
+            if not task.blocking:
+                self.pending[rank].append(key)
+                self.current_collective[rank] = None
+                return True
+        since = self._block_start(rank)
+        window = self.collective_window.get(key)
+        if window is None:
+            return self._block(rank)
+        start, end = window
+        if end > self.now:
+            self.push(end, rank)
+            return self._block(rank)
+        self.current_collective[rank] = None
+        self._account_wait(rank, since, max(since, start), task.kind, task.label)
+        return True
+
+    def _resolve(self, key: tuple, task: Collective) -> None:
+        """The last member arrived: the collective runs once every member's communication stream is free."""
+        members = self.arrivals.pop(key)
+        start = max(max(members.values()), *(self.comm_free.get((member, task.group), 0.0) for member in task.group))
+        end = start + self.comm.collective_seconds(task.kind, task.group, task.nbytes)
+        self.collective_window[key] = (start, end)
+        for member in task.group:
+            self.comm_free[member, task.group] = end
+            if self.state[member] != _BLOCKED:
+                continue
+            if self.current_collective[member] == key or type(self.lists[member][self.cursor[member]]) is WaitCollectives:
+                self.push(end, member)
+
+    def wait_collectives(self, rank: int) -> bool:
+        since = self._block_start(rank)
+        windows = [self.collective_window.get(key) for key in self.pending[rank]]
+        if any(window is None for window in windows):
+            return self._block(rank)
+        end = max((window[1] for window in windows), default=self.now)
+        if end > self.now:
+            self.push(end, rank)
+            return self._block(rank)
+        start = min((window[0] for window in windows), default=self.now)
+        self.pending[rank] = []
+        self._account_wait(rank, since, max(since, min(start, self.now)), "wait", "collectives")
+        return True
+
+    # --- accounting ----------------------------------------------------------------------------------
+
+    def _block_start(self, rank: int) -> float:
+        if self.blocked_since[rank] is None:
+            self.blocked_since[rank] = self.now
+        return self.blocked_since[rank]
+
+    def _block(self, rank: int) -> bool:
+        self.state[rank] = _BLOCKED
+        return False
+
+    def _account_wait(self, rank: int, since: float, peers_ready: float, kind: str, label: str) -> None:
+        """A wait from ``since`` to ``now``: idle until ``peers_ready``, communication after it."""
+        self.blocked_since[rank] = None
+        self.state[rank] = _READY
+        transfer_from = min(peers_ready, self.now)
+        self.stats[rank].communication += self.now - transfer_from
+        if self.record:
+            if transfer_from > since:
+                self.spans[rank].append(Span("idle", since, transfer_from))
+            if self.now > transfer_from:
+                self.spans[rank].append(Span("communication", transfer_from, self.now, f"{kind} {label}".strip()))

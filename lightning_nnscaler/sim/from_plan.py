@@ -1,0 +1,240 @@
+"""A plan's per-rank task lists: what each rank runs in one training step, with durations.
+
+Non-pipelined plans: the rank's program in order (forward), then its transpose in reverse
+(backward: compute twice the work, a send becomes a receive of the gradient, a receive a send, a
+collective its adjoint — ``runtime.autograd_comm``'s table), then the gradient reduction
+(``runtime.reducer``: stage 0 all-reduces buckets of ``BUCKET_BYTES`` per ranks tuple; ZeRO
+reduce-scatters each replicated box and all-gathers it, stage 1 after the optimizer step, stage 3
+before the forward), the AdamW step over what the rank steps, and the loss sum.
+
+Pipelined plans run the schedule's actions (``PipelinePlan.actions(rank)``) as ``runtime.pipeline``
+does: the prologue once, then per ``F(s, m)`` the boundary receives, the segment's forward and
+the boundary sends; per ``B`` the gradient receives, the segment's backward (half of it when the
+schedule splits W off), the gradient sends; ``W`` the other half. Activations (the outputs an op
+keeps for backward, as ``explain`` counts them) are added at F and freed at the last backward half.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_nnscaler.ir.tensor import dtype_bytes
+from lightning_nnscaler.materialize.program import Assemble, Collective, Compute as ComputeAction, Program, Recv as RecvAction, Send as SendAction
+from lightning_nnscaler.sim.costs import FLOATING, ComputeModel
+from lightning_nnscaler.sim.tasks import Collective as CollectiveTask, Compute, Recv, Send, Task, WaitCollectives
+
+BUCKET_BYTES = 25 * 1024 * 1024
+"""``runtime.reducer.BUCKET_BYTES`` (DDP's default bucket size), repeated: the simulator may not import the runtime."""
+ADJOINT = {"all_reduce": "all_reduce", "all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all", "broadcast": "all_reduce"}
+
+
+@dataclass
+class _Chunk:
+    """Consecutive compute of one segment: forward and backward seconds, activation bytes kept."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    kept: int = 0
+
+
+@dataclass
+class _Segment:
+    """One segment's items in order (chunks and inline communication) and its boundary messages."""
+
+    items: list[Any] = field(default_factory=list)
+    inputs: list[RecvAction] = field(default_factory=list)
+    outputs: list[SendAction] = field(default_factory=list)
+
+    @property
+    def kept(self) -> int:
+        return sum(item.kept for item in self.items if isinstance(item, _Chunk))
+
+
+class TaskBuilder:
+    """Turns a plan's programs into ``sim.tasks`` lists, pricing ops with ``compute``.
+
+    ``compute`` must give ``op_time(op)``, ``optimizer_seconds(tensor_numels)`` and ``copy_seconds(nbytes)``
+    (``sim.model.DeviceModel`` does).
+    """
+
+    def __init__(self, plan: Any, compute: ComputeModel) -> None:
+        self.plan, self.compute = plan, compute
+        self.program: Program = plan.program
+        self.message_bytes = {
+            (action.src, rank_program.rank, action.tag): math.prod(action.shape) * dtype_bytes(action.dtype)
+            for rank_program in self.program.ranks for action in rank_program.actions if isinstance(action, RecvAction)
+        }
+        self.element_bytes = {tensor.name: dtype_bytes(tensor.dtype) for tensor in plan.graph.parameters}
+
+    def lists(self) -> list[list[Task]]:
+        """Every rank's tasks for one training step."""
+        return [self.rank_tasks(rank) for rank in range(self.program.world_size)]
+
+    def rank_tasks(self, rank: int) -> list[Task]:
+        """Rank ``rank``'s tasks: gathers, forward and backward (or the schedule), reduction, optimizer step."""
+        segments = self._segments(rank)
+        tasks: list[Task] = []
+        if self.plan.zero_stage == 3:
+            tasks += [CollectiveTask("all_gather", ranks, nbytes, "zero3 gather") for ranks, nbytes, _ in self._replicated(rank)]
+        if self.plan.pipeline is None:
+            segment = segments.get(None, _Segment())
+            tasks += self._forward(segment, rank)
+            tasks += self._backward(segment, rank, 1.0)
+        else:
+            tasks += self._scheduled(segments, rank)
+        tasks += self._reduction(rank)
+        return tasks
+
+    # --- programs into segments ----------------------------------------------------------------------
+
+    def _segments(self, rank: int) -> dict[Any, _Segment]:
+        segments: dict[Any, _Segment] = {}
+        for action in self.program.ranks[rank].actions:
+            segment = segments.setdefault(action.segment, _Segment())
+            if isinstance(action, ComputeAction):
+                chunk = segment.items[-1] if segment.items and isinstance(segment.items[-1], _Chunk) else None
+                if chunk is None:
+                    chunk = _Chunk()
+                    segment.items.append(chunk)
+                time = self.compute.op_time(action.op)
+                recomputed = action.op.recompute is not None
+                chunk.forward += time.forward
+                chunk.backward += time.backward + (time.forward if recomputed and time.backward else 0.0)
+                if not recomputed and not action.op.no_grad:
+                    chunk.kept += sum(math.prod(output.shape) * dtype_bytes(output.tensor.dtype) for output in action.op.outputs)
+            elif isinstance(action, Assemble):
+                nbytes = math.prod(action.piece.shape) * dtype_bytes(action.piece.tensor.dtype)
+                segment.items.append(_Chunk(self.compute.copy_seconds(nbytes), self.compute.copy_seconds(nbytes)))
+            elif isinstance(action, SendAction) and action.boundary:
+                segment.outputs.append(action)
+            elif isinstance(action, RecvAction) and action.boundary:
+                segment.inputs.append(action)
+            else:
+                segment.items.append(action)
+        return segments
+
+    # --- forward and backward of one segment -----------------------------------------------------------
+
+    def _forward(self, segment: _Segment, rank: int, keep: bool = True) -> list[Task]:
+        tasks: list[Task] = []
+        for item in segment.items:
+            if isinstance(item, _Chunk):
+                tasks.append(Compute(item.forward, "forward", activation_bytes=item.kept if keep else 0))
+            elif isinstance(item, SendAction):
+                tasks.append(Send(item.dst, self.message_bytes.get((rank, item.dst, item.tag), 0)))
+            elif isinstance(item, RecvAction):
+                tasks.append(Recv(item.src))
+            elif isinstance(item, Collective):
+                tasks.append(CollectiveTask(item.kind, tuple(sorted(item.ranks)), item.bytes_per_device))
+        return tasks
+
+    def _backward(self, segment: _Segment, rank: int, share: float, kind: str = "backward", release: bool = True) -> list[Task]:
+        tasks: list[Task] = []
+        for item in reversed(segment.items):
+            if isinstance(item, _Chunk):
+                if item.backward:
+                    tasks.append(Compute(item.backward * share, kind, activation_bytes=-item.kept if release else 0))
+                elif release and item.kept:
+                    tasks.append(Compute(0.0, kind, activation_bytes=-item.kept))
+            elif isinstance(item, SendAction) and self._floating_message(rank, item.dst, item.tag):
+                tasks.append(Recv(item.dst))
+            elif isinstance(item, RecvAction) and item.dtype in FLOATING:
+                tasks.append(Send(item.src, self.message_bytes.get((item.src, rank, item.tag), 0)))
+            elif isinstance(item, Collective):
+                tasks.append(CollectiveTask(ADJOINT.get(item.kind, item.kind), tuple(sorted(item.ranks)), item.bytes_per_device))
+        return tasks
+
+    def _floating_message(self, src: int, dst: int, tag: int) -> bool:
+        receiver = self.program.ranks[dst]
+        return any(isinstance(action, RecvAction) and action.src == src and action.tag == tag and action.dtype in FLOATING for action in receiver.actions)
+
+    # --- a pipeline's schedule -------------------------------------------------------------------------
+
+    def _scheduled(self, segments: dict[Any, _Segment], rank: int) -> list[Task]:
+        actions = self.plan.pipeline.actions(rank)
+        splits = any(action.kind.value == "W" for action in actions)
+        backward_stages = {action.stage for action in actions if action.kind.value == "B"}
+        tasks: list[Task] = []
+        for key, segment in segments.items():
+            if key is not None and key[0] < 0:  # the prologue, once, without gradients
+                tasks += self._forward(segment, rank, keep=False)
+        for action in actions:
+            segment = segments.get((action.stage, action.microbatch), _Segment())
+            kind = action.kind.value
+            if kind == "F":
+                tasks += [Recv(message.src) for message in segment.inputs if message.src != rank]
+                tasks += self._forward(segment, rank, keep=action.stage in backward_stages)
+                tasks += [Send(message.dst, self.message_bytes.get((rank, message.dst, message.tag), 0)) for message in segment.outputs if message.dst != rank]
+            elif kind == "B":
+                tasks += [Recv(message.dst) for message in segment.outputs if message.dst != rank and message.gradient]
+                tasks += self._backward(segment, rank, 0.5 if splits else 1.0, release=not splits)
+                tasks += [Send(message.src, self.message_bytes.get((message.src, rank, message.tag), 0))
+                          for message in segment.inputs if message.src != rank and message.gradient]
+            else:
+                tasks.append(Compute(sum(item.backward for item in segment.items if isinstance(item, _Chunk)) * 0.5, "weight",
+                                     activation_bytes=-segment.kept))
+        return tasks
+
+    # --- gradient reduction and the optimizer step -------------------------------------------------------
+
+    def _replicated(self, rank: int) -> list[tuple[tuple[int, ...], int, int]]:
+        """``(ranks, padded bytes, numel)`` of each box this rank holds with others, in registration order."""
+        boxes = []
+        for group in self.program.gradient_groups:
+            if rank in group.ranks and len(group.ranks) > 1:
+                numel = math.prod(stop - start for start, stop in group.box)
+                padded = math.ceil(numel / len(group.ranks)) * len(group.ranks)
+                boxes.append((tuple(group.ranks), padded * self.element_bytes.get(group.name, 4), numel))
+        return boxes
+
+    def _reduction(self, rank: int) -> list[Task]:
+        tasks: list[Task] = [CollectiveTask("all_reduce", tuple(range(self.program.world_size)), 8, "loss sum", blocking=False)]
+        replicated = self._replicated(rank)
+        stage = self.plan.zero_stage
+        if stage == 0:
+            for ranks, nbytes in _buckets(replicated):
+                tasks.append(CollectiveTask("all_reduce", ranks, nbytes, "gradient bucket", blocking=False))
+        else:
+            tasks += [CollectiveTask("reduce_scatter", ranks, nbytes, "zero gradients") for ranks, nbytes, _ in replicated]
+        tasks.append(WaitCollectives("gradients"))
+        tasks.append(Compute(self.compute.optimizer_seconds(self._stepped(rank)), "optimizer", "AdamW"))
+        if stage == 1:
+            tasks += [CollectiveTask("all_gather", ranks, nbytes, "zero1 gather") for ranks, nbytes, _ in replicated]
+        return tasks
+
+    def _stepped(self, rank: int) -> list[int]:
+        """Element counts of the tensors rank's optimizer steps (its boxes, or its chunks of replicated ones under ZeRO)."""
+        replicated = {(group.name, group.box): len(group.ranks) for group in self.program.gradient_groups if rank in group.ranks}
+        numels = []
+        for local in self.program.ranks[rank].inputs:
+            replicas = replicated.get((local.name, local.box))
+            if local.role != "parameter" or replicas is None:
+                continue
+            numel = math.prod(stop - start for start, stop in local.box)
+            numels.append(math.ceil(numel / replicas) if self.plan.zero_stage and replicas > 1 else numel)
+        return numels
+
+
+def _buckets(replicated: list[tuple[tuple[int, ...], int, int]]) -> list[tuple[tuple[int, ...], int]]:
+    """Stage 0's buckets: per ranks tuple, boxes in reverse registration order cut at ``BUCKET_BYTES``."""
+    by_group: dict[tuple[int, ...], list[int]] = {}
+    for ranks, nbytes, _ in reversed(replicated):
+        by_group.setdefault(ranks, []).append(nbytes)
+    buckets = []
+    for ranks, sizes in by_group.items():
+        size = 0
+        for nbytes in sizes:
+            size += nbytes
+            if size >= BUCKET_BYTES:
+                buckets.append((ranks, size))
+                size = 0
+        if size:
+            buckets.append((ranks, size))
+    return buckets
+
+
+def plan_task_lists(plan: Any, compute: ComputeModel) -> list[list[Task]]:
+    """Every rank's tasks for one training step of ``plan`` (see the module docstring)."""
+    return TaskBuilder(plan, compute).lists()

@@ -1,0 +1,86 @@
+"""``predict(plan, spec)``: a plan's simulated step time and per-rank memory, from the same programs the runtime runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_nnscaler.explain import MEMORY_KEYS, human_bytes
+from lightning_nnscaler.ir.op import Op
+from lightning_nnscaler.sim.costs import CommModel, ComputeModel, OpTime, Roofline
+from lightning_nnscaler.sim.from_plan import plan_task_lists
+from lightning_nnscaler.sim.simulate import Machine, SimResult, simulate
+from lightning_nnscaler.sim.specs import HardwareSpec, load_spec
+
+
+@dataclass
+class DeviceModel:
+    """Compute costs on one device kind: per-op times from ``ops`` (a roofline or a profile), the AdamW
+    step and piece copies from the spec's roofline, or from ``optimizer_fit`` when one was measured."""
+
+    spec: HardwareSpec
+    ops: ComputeModel
+    optimizer_fit: tuple[float, float] | None = None
+    """Measured AdamW cost: (seconds per tensor, seconds per element)."""
+
+    def op_time(self, op: Op) -> OpTime:
+        """Forward and backward seconds of ``op``."""
+        return self.ops.op_time(op)
+
+    def optimizer_seconds(self, tensor_numels: list[int]) -> float:
+        """One AdamW step over tensors of ``tensor_numels`` elements."""
+        fit = self.optimizer_fit or self.spec.optimizer
+        if fit is not None:
+            per_tensor, per_element = fit
+            return per_tensor * len(tensor_numels) + per_element * sum(tensor_numels)
+        roofline = Roofline(self.spec)
+        return sum(roofline.optimizer_seconds(numel) for numel in tensor_numels)
+
+    def copy_seconds(self, nbytes: int) -> float:
+        """Copying ``nbytes`` (read and write) on the device."""
+        return self.spec.op_overhead_s + 2 * nbytes / (self.spec.memory_bandwidth * self.spec.memory_efficiency)
+
+
+@dataclass
+class Prediction:
+    """A plan's simulated step and memory per rank (bytes: explain's static rows with the simulated activation peak)."""
+
+    simulation: SimResult
+    memory: list[dict[str, int]]
+    spec_name: str = ""
+
+    @property
+    def step_seconds(self) -> float:
+        """Simulated seconds of one training step."""
+        return self.simulation.step_seconds
+
+    def summary(self) -> str:
+        """One line: the simulated step, its bubble and the busiest rank's compute, communication and idle shares."""
+        ranks = self.simulation.ranks
+        step = self.step_seconds or 1.0
+        worst = max(range(len(ranks)), key=lambda rank: ranks[rank].communication + ranks[rank].idle)
+        stats = ranks[worst]
+        return (f"predicted step on {self.spec_name}: {self.step_seconds * 1e3:.3f} ms (simulated; bubble {self.simulation.bubble_fraction:.1%}; "
+                f"rank {worst}: compute {stats.busy / step:.0%}, communication {stats.communication / step:.0%}, idle {stats.idle / step:.0%}); "
+                f"peak memory {human_bytes(max(self.peak_bytes))} on the fullest rank")
+
+    @property
+    def peak_bytes(self) -> list[int]:
+        """Per rank, the sum of the memory columns (``explain.MEMORY_KEYS``)."""
+        return [sum(row[key] for key in MEMORY_KEYS) for row in self.memory]
+
+
+def predict(plan: Any, spec: HardwareSpec | str = "a100", device: DeviceModel | None = None, *, record: bool = False) -> Prediction:
+    """Simulate one training step of ``plan`` on ``spec`` (default costs: its roofline).
+
+    Memory per rank is ``plan.memory_rows()`` (parameters, gradients, optimizer, transient) with
+    ``activations`` replaced by the simulated peak of live activations over the rank's list.
+    """
+    spec = load_spec(spec) if isinstance(spec, str) else spec
+    device = device or DeviceModel(spec, Roofline(spec))
+    lists = plan_task_lists(plan, device)
+    result = simulate(lists, CommModel(spec), Machine(spec.ranks_per_node, spec.cores_per_node), record=record)
+    memory = []
+    for row, stats in zip(plan.memory_rows(), result.ranks, strict=True):
+        memory.append({**{key: row[key] for key in MEMORY_KEYS}, "activations": stats.peak_activation_bytes})
+    return Prediction(result, memory, spec.name)

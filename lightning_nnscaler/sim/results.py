@@ -1,0 +1,67 @@
+"""What a simulation returns, and the two things it is given besides the lists: a communication model and the machine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class CommunicationModel(Protocol):
+    """How long messages and collectives take (``sim.costs.CommModel`` implements it)."""
+
+    def p2p_seconds(self, src: int, dst: int, nbytes: int) -> tuple[float, float]:
+        """(latency, transfer seconds) of one message of ``nbytes`` from ``src`` to ``dst``."""
+
+    def collective_seconds(self, kind: str, group: tuple[int, ...], nbytes: int) -> float:
+        """Seconds of one ``kind`` collective over ``group`` on a buffer of ``nbytes`` per rank."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where the ranks run: ``ranks_per_node`` consecutive ranks per node; ``cores_per_node`` compute slots
+    shared by a node's ranks (None: one device per rank, no sharing)."""
+
+    ranks_per_node: int = 8
+    cores_per_node: int | None = None
+
+
+@dataclass
+class RankStats:
+    """Seconds a rank spent busy (compute), communicating and idle, and its live-activation peak in bytes."""
+
+    busy: float = 0.0
+    communication: float = 0.0
+    idle: float = 0.0
+    end: float = 0.0
+    peak_activation_bytes: int = 0
+
+
+@dataclass
+class Span:
+    """One interval of a rank's timeline (recorded with ``record=True``): ``kind`` is the task's kind or idle."""
+
+    kind: str
+    start: float
+    end: float
+    label: str = ""
+
+
+@dataclass
+class SimResult:
+    """The simulated step."""
+
+    step_seconds: float
+    ranks: list[RankStats]
+    spans: list[list[Span]] = field(default_factory=list)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """``1 - compute / (ranks × step)``."""
+        total = self.step_seconds * len(self.ranks)
+        return 1.0 - sum(rank.busy for rank in self.ranks) / total if total else 0.0
+
+
+class DeadlockError(RuntimeError):
+    """The lists cannot all finish: every unfinished rank waits for something no rank will do."""
+
+

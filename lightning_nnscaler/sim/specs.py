@@ -1,0 +1,113 @@
+"""Hardware specs: peak FLOP/s per dtype, memory bandwidth, links, in YAML files shipped with the package.
+
+``load_spec("a100")`` reads ``specs/a100.yaml``; a path to any YAML file with the same keys works too
+(a hypothetical cluster). ``cpu.yaml`` is measured on a development machine by
+``benchmarks/calibrate_comm.py`` and carries fitted collective figures (``collectives``) and the
+cores its ranks share (``cores_per_node``); the GPU files come from public datasheets (cited in each).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SPEC_DIRECTORY = Path(__file__).resolve().parent / "specs"
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link kind: bandwidth in bytes/s (one direction) and latency in seconds."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """A device kind and how its ranks connect.
+
+    Attributes:
+        name: the device's name.
+        memory_bytes: device memory.
+        peak_flops: FLOP/s by dtype name (``float32``, ``bfloat16``, ...).
+        memory_bandwidth: bytes/s of device memory.
+        matmul_efficiency: share of ``peak_flops`` that large matmuls reach.
+        memory_efficiency: share of ``memory_bandwidth`` that memory-bound ops reach.
+        op_overhead_s: fixed time per op (launch, framework dispatch).
+        ranks_per_node: ranks on one node (they use ``intra_node`` links).
+        cores_per_node: compute slots a node's ranks share (CPU); None: one device per rank.
+        intra_node, inter_node: the links within and across nodes.
+        collectives: fitted ``{kind: {group size: [alpha, beta]}}`` (``time = alpha + beta × ring bytes``);
+            ``p2p`` is the point-to-point fit. Missing entries fall back to ring formulas over the links.
+    """
+
+    name: str
+    memory_bytes: float
+    peak_flops: dict[str, float]
+    memory_bandwidth: float
+    matmul_efficiency: float
+    memory_efficiency: float
+    op_overhead_s: float
+    ranks_per_node: int
+    intra_node: Link
+    inter_node: Link
+    cores_per_node: int | None = None
+    collectives: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
+    optimizer: tuple[float, float] | None = None
+    """Measured AdamW step: (seconds per tensor, seconds per element); None: the roofline's memory-bound estimate."""
+
+    def flops(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype`` (float32's when the spec lists no figure for it)."""
+        return self.peak_flops.get(dtype, self.peak_flops["float32"])
+
+
+def available_specs() -> list[str]:
+    """The names of the shipped specs (``load_spec`` accepts each)."""
+    return sorted(path.stem for path in SPEC_DIRECTORY.glob("*.yaml"))
+
+
+def load_spec(name_or_path: str | os.PathLike[str]) -> HardwareSpec:
+    """The shipped spec ``name_or_path`` (``"h100"``) or the spec in that YAML file.
+
+    Raises:
+        FileNotFoundError: naming the shipped specs when there is no such spec.
+        ValueError: naming the missing keys of an incomplete file.
+    """
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = SPEC_DIRECTORY / f"{str(name_or_path).lower()}.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"no hardware spec {str(name_or_path)!r}: shipped specs are {available_specs()}, or give a YAML file's path")
+    return spec_from_dict(yaml.safe_load(path.read_text()), source=str(path.name))
+
+
+def spec_from_dict(data: dict[str, Any], source: str = "spec") -> HardwareSpec:
+    """A ``HardwareSpec`` from the parsed YAML mapping (see ``HardwareSpec`` for the keys)."""
+    required = ("name", "memory_bytes", "peak_flops", "memory_bandwidth", "links")
+    missing = [key for key in required if key not in data]
+    if missing:
+        raise ValueError(f"hardware spec {source} lacks {missing}")
+    links = data["links"]
+    collectives = {
+        kind: {int(size): (float(fit[0]), float(fit[1])) for size, fit in sizes.items()}
+        for kind, sizes in (data.get("collectives") or {}).items()
+    }
+    return HardwareSpec(
+        name=str(data["name"]),
+        memory_bytes=float(data["memory_bytes"]),
+        peak_flops={dtype: float(value) for dtype, value in data["peak_flops"].items()},
+        memory_bandwidth=float(data["memory_bandwidth"]),
+        matmul_efficiency=float(data.get("matmul_efficiency", 1.0)),
+        memory_efficiency=float(data.get("memory_efficiency", 1.0)),
+        op_overhead_s=float(data.get("op_overhead_s", 0.0)),
+        ranks_per_node=int(data.get("ranks_per_node", 8)),
+        intra_node=Link(float(links["intra_node"]["bandwidth"]), float(links["intra_node"]["latency"])),
+        inter_node=Link(float(links["inter_node"]["bandwidth"]), float(links["inter_node"]["latency"])),
+        cores_per_node=None if data.get("cores_per_node") is None else int(data["cores_per_node"]),
+        collectives=collectives,
+        optimizer=None if data.get("optimizer") is None else (float(data["optimizer"][0]), float(data["optimizer"][1])),
+    )

@@ -1,0 +1,65 @@
+"""What the simulator runs: per rank, an ordered list of tasks (the lowered action list with durations).
+
+A rank's list is the order it runs in, exactly as a rank's program is (DESIGN.md §8). ``Compute``
+occupies the rank's compute stream for ``seconds``; ``Send`` posts a message and returns (isend);
+``Recv`` blocks until the matching message has arrived — the k-th receive from a peer pairs with
+the k-th send to it, as gloo and NCCL pair point-to-point operations in posting order; a
+``Collective`` over ``group`` pairs with the same-numbered collective over that group on every
+member and starts when the last member reaches it (``blocking=False``: the rank posts it on its
+communication stream and goes on; ``WaitCollectives`` blocks until every collective it posted has
+ended). ``Compute.activation_bytes`` is what the task adds to (F) or frees from (B) the rank's
+live activations, for the memory peak over the schedule.
+
+Tasks are named tuples: a 1024-rank step has millions of them, and a tuple is built several times faster
+than a frozen dataclass.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+"""Collective kinds the communication model prices (``costs.CommModel``)."""
+
+
+class Compute(NamedTuple):
+    """Busy the rank's compute stream for ``seconds`` (``kind``: forward, backward, weight, optimizer, other)."""
+
+    seconds: float
+    kind: str = "forward"
+    label: str = ""
+    activation_bytes: int = 0
+
+
+class Send(NamedTuple):
+    """Post ``nbytes`` to ``peer`` (asynchronous); the bytes arrive after the link's latency and transfer time."""
+
+    peer: int
+    nbytes: int
+    label: str = ""
+
+
+class Recv(NamedTuple):
+    """Wait for the next message from ``peer``."""
+
+    peer: int
+    label: str = ""
+
+
+class Collective(NamedTuple):
+    """A ``kind`` collective over ``group`` (sorted ranks) on a buffer of ``nbytes`` per rank."""
+
+    kind: str
+    group: tuple[int, ...]
+    nbytes: int
+    label: str = ""
+    blocking: bool = True
+
+
+class WaitCollectives(NamedTuple):
+    """Block until every non-blocking collective this rank posted has ended."""
+
+    label: str = ""
+
+
+Task = Compute | Send | Recv | Collective | WaitCollectives

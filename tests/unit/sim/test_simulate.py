@@ -1,0 +1,87 @@
+"""The simulator on hand-made task lists: pipeline bubbles, collectives, messages, sharing, memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_nnscaler.schedules import Kind, lower, one_f_one_b, theoretical_bubble_fraction
+from lightning_nnscaler.sim.simulate import DeadlockError, Machine, simulate
+from lightning_nnscaler.sim.tasks import Collective, Compute, Recv, Send, WaitCollectives
+
+
+class Fixed:
+    """Messages take ``latency`` plus nothing per byte; every collective takes ``collective`` seconds."""
+
+    def __init__(self, latency: float = 0.0, collective: float = 1.0) -> None:
+        self.latency, self.collective = latency, collective
+
+    def p2p_seconds(self, src: int, dst: int, nbytes: int) -> tuple[float, float]:
+        return self.latency, 0.0
+
+    def collective_seconds(self, kind: str, group: tuple[int, ...], nbytes: int) -> float:
+        return self.collective
+
+
+def pipeline_lists(ranks: int, microbatches: int, forward: float = 1.0, backward: float = 2.0) -> list[list]:
+    schedule = lower(one_f_one_b(ranks, microbatches))
+    lists = []
+    for rank_actions in schedule.actions:
+        tasks = []
+        for action in rank_actions:
+            if action.kind is Kind.FORWARD:
+                tasks.append(Compute(forward, "forward", str(action), activation_bytes=10))
+            elif action.kind is Kind.BACKWARD:
+                tasks.append(Compute(backward, "backward", str(action), activation_bytes=-10))
+            elif action.kind.is_send:
+                tasks.append(Send(action.peer, 0))
+            else:
+                tasks.append(Recv(action.peer))
+        lists.append(tasks)
+    return lists
+
+
+@pytest.mark.parametrize("ranks, microbatches", [(2, 4), (2, 8), (4, 8)])
+def test_1f1b_bubble_is_the_textbook_one(ranks: int, microbatches: int) -> None:
+    result = simulate(pipeline_lists(ranks, microbatches), Fixed())
+    assert result.step_seconds == pytest.approx(3.0 * (microbatches + ranks - 1))
+    assert result.bubble_fraction == pytest.approx(theoretical_bubble_fraction(ranks, microbatches))
+
+
+def test_1f1b_activation_peak_is_the_in_flight_microbatches() -> None:
+    result = simulate(pipeline_lists(4, 8), Fixed())
+    assert [rank.peak_activation_bytes for rank in result.ranks] == [40, 30, 20, 10]
+
+
+def test_a_collective_starts_when_its_last_member_arrives() -> None:
+    lists = [[Compute(2.0), Collective("all_reduce", (0, 1), 8)], [Compute(0.5), Collective("all_reduce", (0, 1), 8)]]
+    result = simulate(lists, Fixed(collective=1.0), record=True)
+    assert result.step_seconds == pytest.approx(3.0)
+    assert result.ranks[1].idle == pytest.approx(1.5)
+    assert result.ranks[1].communication == pytest.approx(1.0)
+    assert [span.kind for span in result.spans[1]] == ["forward", "idle", "communication"]
+
+
+def test_a_non_blocking_collective_overlaps_compute_until_the_wait() -> None:
+    lists = [[Collective("all_reduce", (0, 1), 8, blocking=False), Compute(0.5), WaitCollectives()] for _ in range(2)]
+    assert simulate(lists, Fixed(collective=2.0)).step_seconds == pytest.approx(2.0)
+
+
+def test_receives_pair_with_sends_in_order_and_wait_for_the_latency() -> None:
+    lists = [[Compute(1.0), Send(1, 4), Compute(1.0), Send(1, 4)], [Recv(0), Compute(0.1), Recv(0)]]
+    result = simulate(lists, Fixed(latency=0.25), record=True)
+    assert result.ranks[1].end == pytest.approx(2.25)
+    idle = [(span.start, span.end) for span in result.spans[1] if span.kind == "idle"]
+    assert idle[0] == (0.0, 1.0)
+
+
+def test_ranks_sharing_cores_slow_down_only_while_they_overlap() -> None:
+    lists = [[Compute(2.0)], [Compute(2.0)], [Compute(1.0)]]
+    result = simulate(lists, Fixed(), Machine(ranks_per_node=4, cores_per_node=2))
+    # 3 tasks on 2 cores run at 2/3 speed until the short one ends at 1.5 s; then the two left run at full speed
+    assert result.ranks[2].end == pytest.approx(1.5)
+    assert result.step_seconds == pytest.approx(2.5)
+
+
+def test_a_receive_that_no_one_sends_is_a_deadlock() -> None:
+    with pytest.raises(DeadlockError, match="rank 0 stuck"):
+        simulate([[Recv(1)], [Recv(0)]], Fixed())
