@@ -91,6 +91,12 @@ def train_planned(rank: int, world_size: int, model_name: str, planned: list[tup
     return results
 
 
+def train_planned_models(rank: int, world_size: int, planned_by_model: list[tuple[str, list[tuple[str, list[str], dict, list[str]]]]]) -> dict[str, dict[str, Any]]:
+    """`train_planned` for each ``(model name, plans)`` in turn, in one process group (one launch for
+    several models); per model name, what `train_planned` returns."""
+    return {model_name: train_planned(rank, world_size, model_name, planned) for model_name, planned in planned_by_model}
+
+
 def assert_trains_like_one_device(
     per_rank: list[dict[str, Any]], label: str, expected_losses: list[float], expected_parameters: dict[str, torch.Tensor],
     loose: dict[str, float] | None = None,

@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -108,22 +110,59 @@ def test_the_summaries_read_from_source_are_the_catalogs() -> None:
         assert list(summary.parameters) == list(spec.parameters), summary.name
 
 
+PUBLIC_NAMES = (
+    "import lightning_nnscaler as lnn\n"
+    "from lightning_nnscaler import *\n"
+    "missing = [name for name in lnn.__all__ if getattr(lnn, name, None) is None or globals().get(name) is None]\n"
+    "assert not missing, missing\n"
+    "assert set(lnn.__all__) <= set(dir(lnn))\n"
+    "import sys\n"
+    "assert lnn.parallelize is sys.modules['lightning_nnscaler.parallelize'].parallelize, lnn.parallelize  # not the module\n"
+    "assert lnn.checkpoint is sys.modules['lightning_nnscaler.checkpoint']\n"
+)
+
+
+@dataclass
+class FreshProcess:
+    """A ``python -c`` child started by `fresh_processes`, its output going to files."""
+
+    process: subprocess.Popen
+    stdout: Path
+    stderr: Path
+
+    def finish(self, timeout: float = 240) -> tuple[int, str, str]:
+        """Its exit status, stdout and stderr, once it has exited."""
+        return_code = self.process.wait(timeout=timeout)
+        return return_code, self.stdout.read_text(), self.stderr.read_text()
+
+
+@pytest.fixture(scope="module")
+def fresh_processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, FreshProcess]]:
+    """Each import-order script and the public-name check in its own fresh process, all started at once:
+    each imports torch and Lightning (seconds of CPU), so side by side they take the cores' time, not the sum."""
+    folder = tmp_path_factory.mktemp("fresh_processes")
+    children: dict[str, FreshProcess] = {}
+    try:
+        for index, (name, code) in enumerate({**IMPORT_ORDERS, "public names": PUBLIC_NAMES}.items()):
+            stdout, stderr = folder / f"{index}.out", folder / f"{index}.err"
+            with stdout.open("w") as out, stderr.open("w") as err:
+                children[name] = FreshProcess(subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=err, text=True), stdout, stderr)
+        yield children
+    finally:
+        for child in children.values():
+            if child.process.poll() is None:
+                child.process.kill()
+                child.process.wait()
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("order", list(IMPORT_ORDERS))
-def test_the_strategies_are_registered_in_either_import_order(order: str) -> None:
-    completed = subprocess.run([sys.executable, "-c", IMPORT_ORDERS[order]], capture_output=True, text=True, timeout=240)
-    assert completed.returncode == 0 and "registered" in completed.stdout, f"{order}:\n{completed.stderr[-4000:]}"
+def test_the_strategies_are_registered_in_either_import_order(order: str, fresh_processes: dict[str, FreshProcess]) -> None:
+    return_code, stdout, stderr = fresh_processes[order].finish()
+    assert return_code == 0 and "registered" in stdout, f"{order}:\n{stderr[-4000:]}"
 
 
-def test_every_public_name_is_importable_and_an_attribute() -> None:
-    code = (
-        "import lightning_nnscaler as lnn\n"
-        "from lightning_nnscaler import *\n"
-        "missing = [name for name in lnn.__all__ if getattr(lnn, name, None) is None or globals().get(name) is None]\n"
-        "assert not missing, missing\n"
-        "assert set(lnn.__all__) <= set(dir(lnn))\n"
-        "import sys\n"
-        "assert lnn.parallelize is sys.modules['lightning_nnscaler.parallelize'].parallelize, lnn.parallelize  # not the module\n"
-        "assert lnn.checkpoint is sys.modules['lightning_nnscaler.checkpoint']\n"
-    )
-    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
-    assert completed.returncode == 0, completed.stderr[-4000:]
+@pytest.mark.timeout(300)
+def test_every_public_name_is_importable_and_an_attribute(fresh_processes: dict[str, FreshProcess]) -> None:
+    return_code, _, stderr = fresh_processes["public names"].finish()
+    assert return_code == 0, stderr[-4000:]

@@ -1,9 +1,11 @@
 """``import lightning_nnscaler`` then ``import lightning`` (the strategies registered) costs at most
 Lightning's own import + 1 s (benchmarks/import_time.py).
 
-Median of 3 fresh processes each, interleaved. The check is on CPU time (user + sys of the child):
-on a loaded shared 2-core machine the wall time mostly measures waiting for a core. The benchmark
-prints wall time too.
+The fastest of 2 fresh processes each, interleaved (the benchmark reports the median of more rounds;
+each round here costs two fresh imports of torch and Lightning, seconds each). The check is on CPU
+time (user + sys of the child): on a loaded shared 2-core machine the wall time mostly measures
+waiting for a core, and load only ever adds CPU time (cache misses), so the fastest round is the
+steadiest estimate of what the import itself costs. The benchmark prints wall time too.
 """
 
 from __future__ import annotations
@@ -25,12 +27,17 @@ def load_benchmark():
 
 def test_import_costs_at_most_lightnings_plus_one_second() -> None:
     benchmark = load_benchmark()
-    rounds = 3
+    rounds, names = 2, ["lightning", "lightning_nnscaler+lightning"]
     # No warm-up round: this pytest process already imported both (bytecode and page cache are warm).
-    timings = benchmark.measure(["lightning", "lightning_nnscaler+lightning"], rounds, warmup=False)
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            samples[name].append(benchmark.time_once(benchmark.CANDIDATES[name]))
+    timings = {name: benchmark.Timing(min(wall for wall, _ in runs), min(cpu for _, cpu in runs)) for name, runs in samples.items()}
     difference = timings["lightning_nnscaler+lightning"].cpu_s - timings["lightning"].cpu_s
     assert difference <= benchmark.GOAL_S, (
         f"import lightning_nnscaler, lightning costs {difference:+.2f} s CPU over import lightning (goal <= {benchmark.GOAL_S} s); "
         f"find what it imports with `python -X importtime -c 'import lightning_nnscaler, lightning'`\n"
-        + benchmark.table(timings, rounds)
+        + benchmark.table(timings, rounds).replace("median of", "fastest of")
+        + f"\nevery round (wall s, CPU s): {samples}"
     )

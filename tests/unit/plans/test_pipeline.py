@@ -30,6 +30,8 @@ def gpt_and_batch(batch_size: int = 8) -> tuple[GPT, object]:
 @pytest.mark.parametrize(
     ("recipe", "world_size", "params"),
     [
+        ("gpipe", 2, {}),  # tests/integration/test_pipelines_gloo.py trains every schedule at 4 real ranks
+        ("1f1b", 2, {}),
         ("hybrid3d", 8, {"dp": 2, "tp": 2, "pp": 2}),
         ("hybrid3d", 16, {"dp": 2, "tp": 2, "pp": 4}),
         ("interleaved", 4, {"microbatches": 4, "virtual_stages": 2}),
