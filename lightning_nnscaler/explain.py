@@ -101,7 +101,7 @@ def _step_sum_bytes(program: Program) -> int:
     values = [tensor.numel for name, tensor in outputs.items() if name != program.loss]
     loss = outputs.get(program.loss) if program.loss is not None else None
     buffer = 8 * (1 + sum(values)) if values else (dtype_bytes(loss.dtype) if loss is not None else 0)
-    return _ring_bytes("all_reduce", program.world_size, buffer)
+    return ring_bytes("all_reduce", program.world_size, buffer)
 
 
 def _add_replicated(row: dict[str, int], zero_stage: int, size: int, chunk: int, replicas: int) -> None:
@@ -128,7 +128,7 @@ def _activations_and_messages(program: Program, rank: int, pipeline: PipelinePla
         elif isinstance(action, Recv) and action.gradient and _is_floating(action.dtype):
             sent += _numel_of(action.shape) * dtype_bytes(action.dtype)  # the gradient it sends back
         elif isinstance(action, Collective):
-            sent += 2 * _ring_bytes(action.kind, len(action.ranks), action.bytes_per_device)  # forward and its adjoint
+            sent += 2 * ring_bytes(action.kind, len(action.ranks), action.bytes_per_device)  # forward and its adjoint
     for other in program.ranks:
         sent += sum(
             _numel_of(action.shape) * dtype_bytes(action.dtype)
@@ -138,7 +138,7 @@ def _activations_and_messages(program: Program, rank: int, pipeline: PipelinePla
     return activations, sent
 
 
-def _ring_bytes(kind: str, ranks: int, buffer_bytes: int) -> int:
+def ring_bytes(kind: str, ranks: int, buffer_bytes: int) -> int:
     """Bytes one rank sends in a ring collective ``kind`` over a buffer of ``buffer_bytes``."""
     factor = 2 if kind == "all_reduce" else 1
     return factor * (ranks - 1) * buffer_bytes // ranks

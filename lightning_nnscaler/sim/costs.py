@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from lightning_nnscaler.explain import ring_bytes as explain_ring_bytes
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.tensor import dtype_bytes
 from lightning_nnscaler.sim.specs import HardwareSpec, Link
@@ -118,11 +119,8 @@ class Roofline:
 
 
 def ring_bytes(kind: str, ranks: int, nbytes: float) -> float:
-    """Bytes one rank sends in a ring ``kind`` over ``ranks`` on a buffer of ``nbytes`` (``explain``'s convention)."""
-    if kind in ("send", "recv", "p2p"):
-        return float(nbytes)
-    factor = 2 if kind == "all_reduce" else 1
-    return factor * (ranks - 1) * nbytes / ranks
+    """Bytes one rank sends in a ring ``kind`` over ``ranks`` on a buffer of ``nbytes`` (``explain``'s convention; a message: all of it)."""
+    return float(nbytes) if kind in ("send", "recv", "p2p") else float(explain_ring_bytes(kind, ranks, int(nbytes)))
 
 
 def ring_steps(kind: str, ranks: int) -> int:
