@@ -151,6 +151,8 @@ class NnScalerStrategy(ParallelStrategy):
         check_recipe(recipe, recipe_params)
         if start_method not in _START_METHODS:
             raise ValueError(f"NnScalerStrategy(start_method={start_method!r}): use one of {', '.join(_START_METHODS)}")
+        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+            raise ValueError(f"NnScalerStrategy(bucket_cap_mb={bucket_cap_mb!r}): give a positive size in MiB, or None for 25")
         self.recipe = recipe
         self.recipe_params = dict(recipe_params)
         self.timeout = timeout

@@ -130,3 +130,11 @@ def test_the_stash_drops_the_earlier_gradients_unless_a_hook_reads_them(keep_ear
     holder.grad = None  # Lightning's zero_grad
     stash.apply()
     assert holder.grad is bucket
+
+
+@pytest.mark.parametrize("size", [0, -1.0])
+def test_a_bucket_size_that_is_not_positive_is_refused_by_name(size: float) -> None:
+    from lightning_nnscaler import NnScalerStrategy
+
+    with pytest.raises(ValueError, match=r"bucket_cap_mb=.*positive size in MiB"):
+        NnScalerStrategy(bucket_cap_mb=size)
