@@ -31,7 +31,7 @@ Conventions shared by every implementation:
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Iterable, Protocol, Sequence, runtime_checkable
+from typing import Callable, Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -170,12 +170,14 @@ class TorchDistributedCommunicator:
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         check_peer(dst, self.rank, self.world_size)
         tensor = tensor.detach().clone(memory_format=torch.contiguous_format)
-        self._pending_sends.append((dist.isend(tensor, dst, tag=tag), tensor, f"send to rank {dst} with tag {tag}"))
+        description = f"send to rank {dst} with tag {tag}"
+        self._pending_sends.append((self._issue(lambda: dist.isend(tensor, dst, tag=tag), description), tensor, description))
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
         check_peer(src, self.rank, self.world_size)
         tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-        self._wait(dist.irecv(tensor, src, tag=tag), f"recv from rank {src} with tag {tag}")
+        description = f"recv from rank {src} with tag {tag}"
+        self._wait(self._issue(lambda: dist.irecv(tensor, src, tag=tag), description), description)
         return tensor
 
     def wait_sends(self) -> None:
@@ -187,7 +189,7 @@ class TorchDistributedCommunicator:
         group = self._group(ranks)
         result = tensor.detach().clone(memory_format=torch.contiguous_format)
         if len(ranks) > 1:
-            self._wait(dist.all_reduce(result, group=group, async_op=True), f"all_reduce over ranks {ranks}")
+            self._run(lambda: dist.all_reduce(result, group=group, async_op=True), f"all_reduce over ranks {ranks}")
         return result
 
     def all_reduce_async(self, tensor: torch.Tensor, ranks: tuple[int, ...], *, in_place: bool = False) -> "_TorchHandle":
@@ -202,14 +204,14 @@ class TorchDistributedCommunicator:
                 f"no process group for ranks {ranks}: pass every ranks tuple the program uses to "
                 "create_groups(...) on every rank before the first collective"
             )
-        return _TorchHandle(self, dist.all_reduce(result, group=group, async_op=True), result, description)
+        return _TorchHandle(self, self._issue(lambda: dist.all_reduce(result, group=group, async_op=True), description), result, description)
 
     def all_gather(self, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
         group = self._group(ranks)
         tensor = tensor.detach().contiguous()
         chunks = [torch.empty_like(tensor) for _ in ranks]
         if len(ranks) > 1:
-            self._wait(dist.all_gather(chunks, tensor, group=group, async_op=True), f"all_gather over ranks {ranks}")
+            self._run(lambda: dist.all_gather(chunks, tensor, group=group, async_op=True), f"all_gather over ranks {ranks}")
         else:
             chunks[0].copy_(tensor)
         return torch.cat(chunks, dim)
@@ -220,8 +222,7 @@ class TorchDistributedCommunicator:
         chunks = [chunk.contiguous() for chunk in tensor.detach().chunk(len(ranks), dim)]
         result = torch.empty_like(chunks[0])
         if len(ranks) > 1:
-            work = dist.reduce_scatter(result, chunks, group=group, async_op=True)
-            self._wait(work, f"reduce_scatter over ranks {ranks}")
+            self._run(lambda: dist.reduce_scatter(result, chunks, group=group, async_op=True), f"reduce_scatter over ranks {ranks}")
         else:
             result.copy_(chunks[0])
         return result
@@ -232,8 +233,7 @@ class TorchDistributedCommunicator:
         inputs = [chunk.contiguous() for chunk in tensor.detach().chunk(len(ranks), split_dim)]
         outputs = [torch.empty_like(chunk) for chunk in inputs]
         if len(ranks) > 1:
-            work = dist.all_to_all(outputs, inputs, group=group, async_op=True)
-            self._wait(work, f"all_to_all over ranks {ranks}")
+            self._run(lambda: dist.all_to_all(outputs, inputs, group=group, async_op=True), f"all_to_all over ranks {ranks}")
         else:
             outputs[0].copy_(inputs[0])
         return torch.cat(outputs, concat_dim)
@@ -250,15 +250,25 @@ class TorchDistributedCommunicator:
         else:
             result = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         if len(ranks) > 1:
-            work = dist.broadcast(result, src=src, group=group, async_op=True)
-            self._wait(work, f"broadcast from rank {src} over ranks {ranks}")
+            self._run(lambda: dist.broadcast(result, src=src, group=group, async_op=True), f"broadcast from rank {src} over ranks {ranks}")
         return result
 
     def barrier(self) -> None:
-        self._wait(dist.barrier(async_op=True), f"barrier over all {self.world_size} ranks")
+        self._run(lambda: dist.barrier(async_op=True), f"barrier over all {self.world_size} ranks")
 
     def _group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
         return self.groups.get(check_ranks(ranks, self.rank, self.world_size))
+
+    def _issue(self, start: Callable[[], dist.Work], description: str) -> dist.Work:
+        """``start()``, with a failure to even start (a peer already gone) raised as ``CommunicationError``."""
+        try:
+            return start()
+        except Exception as error:  # gloo and NCCL raise RuntimeError / DistBackendError with the cause
+            raise CommunicationError(f"rank {self.rank}: {description} could not start: {error}") from error
+
+    def _run(self, start: Callable[[], dist.Work], description: str) -> None:
+        """Start a collective and wait for it (``_issue``, ``_wait``)."""
+        self._wait(self._issue(start, description), description)
 
     def _wait(self, work: dist.Work, description: str) -> None:
         try:
