@@ -1,20 +1,29 @@
-"""``import lightning_nnscaler`` then ``import lightning`` (the strategies registered) costs at most
-Lightning's own import + 1 s (benchmarks/import_time.py).
+"""``import lightning_nnscaler`` then ``import lightning`` (the strategies registered) loads nothing heavy
+beyond what ``import lightning`` loads: only this package's own modules and a short, named list of
+small third-party ones.
 
-The fastest of 2 fresh processes each, interleaved (the benchmark reports the median of more rounds;
-each round here costs two fresh imports of torch and Lightning, seconds each). The check is on CPU
-time (user + sys of the child): on a loaded shared 2-core machine the wall time mostly measures
-waiting for a core, and load only ever adds CPU time (cache misses), so the fastest round is the
-steadiest estimate of what the import itself costs. The benchmark prints wall time too.
+What an import costs in seconds depends on the machine (Lightning alone took 3 s here and 9 s on the
+CI runner), so the goal in seconds (at most Lightning's import + 1 s) lives in
+``benchmarks/import_time.py``, which times it. This test checks the cause that keeps the import cheap,
+exactly and on any machine: which modules the import adds. A new dependency imported at module level
+(matplotlib, hydra, wandb, torch.export, sympy, ...) fails here, naming it; import it where it is used.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
 import sys
 from pathlib import Path
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "import_time.py"
+
+# Modules outside this package that ``import lightning_nnscaler`` may add to what Lightning imports, and why.
+ALLOWED_EXTRA_MODULES = {
+    "xxhash": "checkpoint shard checksums (a small C extension)",
+    "torch.distributed.fsdp.sharded_grad_scaler": "16-mixed precision plugin's grad scaler for sharded gradients",
+}
 
 
 def load_benchmark():
@@ -25,19 +34,30 @@ def load_benchmark():
     return module
 
 
-def test_import_costs_at_most_lightnings_plus_one_second() -> None:
+def modules_after(code: str, environment: dict[str, str]) -> set[str]:
+    """The names in ``sys.modules`` after ``code`` runs in a fresh interpreter."""
+    report = "\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    finished = subprocess.run([sys.executable, "-c", code + report], capture_output=True, text=True, env=environment, timeout=300)
+    assert finished.returncode == 0, f"python -c {code!r} failed:\n{finished.stderr[-3000:]}"
+    return set(json.loads(finished.stdout.strip().splitlines()[-1]))
+
+
+def test_importing_the_package_with_lightning_adds_only_its_own_modules_and_named_small_ones() -> None:
     benchmark = load_benchmark()
-    rounds, names = 2, ["lightning", "lightning_nnscaler+lightning"]
-    # No warm-up round: this pytest process already imported both (bytecode and page cache are warm).
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
-    for _ in range(rounds):
-        for name in names:
-            samples[name].append(benchmark.time_once(benchmark.CANDIDATES[name]))
-    timings = {name: benchmark.Timing(min(wall for wall, _ in runs), min(cpu for _, cpu in runs)) for name, runs in samples.items()}
-    difference = timings["lightning_nnscaler+lightning"].cpu_s - timings["lightning"].cpu_s
-    assert difference <= benchmark.GOAL_S, (
-        f"import lightning_nnscaler, lightning costs {difference:+.2f} s CPU over import lightning (goal <= {benchmark.GOAL_S} s); "
-        f"find what it imports with `python -X importtime -c 'import lightning_nnscaler, lightning'`\n"
-        + benchmark.table(timings, rounds).replace("median of", "fastest of")
-        + f"\nevery round (wall s, CPU s): {samples}"
+    environment = benchmark.clean_environment()
+    lightning_alone = modules_after(benchmark.CANDIDATES["lightning"], environment)
+    with_package = modules_after(benchmark.CANDIDATES["lightning_nnscaler+lightning"], environment)
+    added = with_package - lightning_alone
+    own = {name for name in added if name == "lightning_nnscaler" or name.startswith("lightning_nnscaler.")}
+    assert "lightning_nnscaler.strategy" in own, f"the strategies were not registered: {sorted(own)}"
+    foreign = sorted(
+        name
+        for name in added - own
+        if not any(name == allowed or name.startswith(allowed + ".") for allowed in ALLOWED_EXTRA_MODULES)
+    )
+    assert not foreign, (
+        f"import lightning_nnscaler, lightning loads {len(foreign)} module(s) that import lightning does not and "
+        f"that are not on the allowed list: {foreign[:40]}; import them where they are used (inside the function), "
+        f"or, if small and needed at import, add them to ALLOWED_EXTRA_MODULES with the reason. "
+        f"Find who imports them with `python -X importtime -c 'import lightning_nnscaler, lightning'`."
     )
