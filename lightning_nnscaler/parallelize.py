@@ -308,7 +308,8 @@ def build_plan(
         PlanError: a rank reads batch rows outside its replica's share (the layout does not match the plan).
     """
     params = dict(params or {})
-    program = materialize(planned, world_size, validate=not validated, cost=communication_cost)
+    shared_stages = frozenset(stage for stage in range(pipeline.schedule.stages) if pipeline.schedule.is_shared(stage)) if pipeline else frozenset()
+    program = materialize(planned, world_size, validate=not validated, cost=communication_cost, shared_stages=shared_stages)
     check_batch_split(program, graph, layout or single_replica(world_size, {}), recipe)
     if program.pipelined and pipeline is None:
         raise PlanError("the plan's ops carry pipeline segments but no schedule orders them: pass pipeline= (a PipelinePlan)")
@@ -349,37 +350,47 @@ def check_pipeline(program: Program, pipeline: PipelinePlan) -> None:
 
 
 def check_message_order(program: Program, pipeline: PipelinePlan) -> None:
-    """Raise ``PlanError`` unless, between every two ranks, the boundary messages (activations after
-    an F, gradients after a B) are received in the order they are sent when each rank runs its
-    schedule: NCCL pairs point-to-point messages in posting order and ignores tags. ``validate``
-    checks this for the schedule's stage-to-stage messages; this checks every message the program
-    has, including a tensor that skips stages."""
+    """Raise ``PlanError`` unless, between every two ranks, the point-to-point messages are received in
+    the order they are sent when each rank runs its schedule: NCCL pairs point-to-point messages in
+    posting order and ignores tags. ``validate`` checks this for the schedule's stage-to-stage
+    messages; this checks every message the program has: a tensor that skips stages, and the messages
+    inside a segment (its forward in program order, their gradients in reverse in its backward)."""
     boundary_in: dict[tuple, list[Recv]] = {}
     boundary_out: dict[tuple, list[Send]] = {}
+    inline: dict[tuple, list[Send | Recv]] = {}
+    floating = {action.tag: action.dtype.startswith(("float", "bfloat", "complex"))
+                for rank_program in program.ranks for action in rank_program.actions if isinstance(action, Recv)}
     for rank_program in program.ranks:
         for action in rank_program.actions:
-            if isinstance(action, Recv) and action.boundary:
-                boundary_in.setdefault((rank_program.rank, action.segment), []).append(action)
-            elif isinstance(action, Send) and action.boundary:
-                boundary_out.setdefault((rank_program.rank, action.segment), []).append(action)
+            if isinstance(action, (Send, Recv)):
+                table = (boundary_in if isinstance(action, Recv) else boundary_out) if action.boundary else inline
+                table.setdefault((rank_program.rank, action.segment), []).append(action)
     sent: dict[tuple[int, int], list[tuple[str, int]]] = {}
     received: dict[tuple[int, int], list[tuple[str, int]]] = {}
+
+    def post(message: Send | Recv, rank: int, kind: str, reverse: bool = False) -> None:
+        sending = isinstance(message, Send) != reverse
+        peer = message.dst if isinstance(message, Send) else message.src
+        channel = (rank, peer) if sending else (peer, rank)
+        (sent if sending else received).setdefault(channel, []).append((kind, message.tag))
+
     for rank in range(program.world_size):
         for action in pipeline.actions(rank):
             segment, kind = (action.stage, action.microbatch), action.kind.value
             inputs, outputs = boundary_in.get((rank, segment), []), boundary_out.get((rank, segment), [])
             if kind == "F":
-                for message in inputs:
-                    received.setdefault((message.src, rank), []).append(("activation", message.tag))
-                for message in outputs:
-                    sent.setdefault((rank, message.dst), []).append(("activation", message.tag))
+                for message in [*inputs, *inline.get((rank, segment), []), *outputs]:
+                    post(message, rank, "inline" if not message.boundary else "activation")
             elif kind == "B":
                 for message in outputs:
                     if message.gradient:
-                        received.setdefault((message.dst, rank), []).append(("gradient", message.tag))
+                        post(message, rank, "gradient", reverse=True)
+                for message in reversed(inline.get((rank, segment), [])):
+                    if floating.get(message.tag, False):
+                        post(message, rank, "inline gradient", reverse=True)
                 for message in inputs:
                     if message.gradient:
-                        sent.setdefault((rank, message.src), []).append(("gradient", message.tag))
+                        post(message, rank, "gradient", reverse=True)
     for (src, dst), messages in sorted(sent.items()):
         if src == dst:
             continue
@@ -387,7 +398,7 @@ def check_message_order(program: Program, pipeline: PipelinePlan) -> None:
         if messages != got:
             index = next((i for i, (a, b) in enumerate(zip(messages, got)) if a != b), min(len(messages), len(got)))
             raise PlanError(
-                f"rank {src} sends rank {dst} its boundary messages in another order than rank {dst} receives them: "
+                f"rank {src} sends rank {dst} its messages in another order than rank {dst} receives them: "
                 f"message {index} is {messages[index] if index < len(messages) else 'none'} on rank {src} but "
                 f"{got[index] if index < len(got) else 'none'} on rank {dst} (kind, tag); NCCL would pair them wrongly. "
                 "Reorder the schedule, or cut the stages so that no tensor skips a stage."

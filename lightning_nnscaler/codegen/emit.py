@@ -19,6 +19,7 @@ from lightning_nnscaler.codegen.recompute import block_lines, recompute_blocks
 from lightning_nnscaler.codegen.segments import boundary_lines, emit_segments, is_boundary
 from lightning_nnscaler.ir.printer import format_argument
 from lightning_nnscaler.ir.randomness import RANDOM_LIKE_OP, RANDOM_OP
+from lightning_nnscaler.ir.vocab import VOCAB_EMBEDDING_OP
 from lightning_nnscaler.materialize.program import Assemble, Collective, Compute, Program, RankOutput, RankProgram, Recv, Send
 
 HEADER = '''"""Rank {rank} of {world_size}: plan {plan_hash} ({label}).
@@ -42,6 +43,8 @@ RANDOM_IMPORT = (
     "from lightning_nnscaler.ir import randomness  # torch.ops.lnn.random*: each piece draws its box of the full random tensor "
     "from randomness.current_stream() (seed, step, draw), which the executor sets before each step"
 )
+
+VOCAB_IMPORT = "from lightning_nnscaler.ir import vocab  # torch.ops.lnn.vocab_embedding: a vocabulary slice's lookup, zeros for other ids"
 
 
 class CodegenError(ValueError):
@@ -81,8 +84,11 @@ def emit_rank(program: Program, rank: int, plan_hash: str, label: str, zero_stag
     lines.append("]")
     lines.append(f"GROUPS = {program.communication_groups!r}  # every rank creates these, in this order")
     lines.append(f"ZERO_STAGE = {zero_stage}  # replicated boxes: 0 all-reduce, 1 sharded optimizer state, 3 sharded at rest")
-    if any(isinstance(action, Compute) and action.op.target in RANDOM_TARGETS for action in rank_program.actions):
+    targets = {action.op.target for action in rank_program.actions if isinstance(action, Compute)}
+    if targets & set(RANDOM_TARGETS):
         lines.append(RANDOM_IMPORT)
+    if VOCAB_EMBEDDING_OP in targets:
+        lines.append(VOCAB_IMPORT)
     if program.pipelined:
         if schedule is None:
             raise CodegenError(f"rank {rank}: a pipelined program needs its schedule (the rank's list of F/B/W actions)")
@@ -162,6 +168,11 @@ def _action_lines(action: Any) -> list[str]:
         return [f"{action.var}, token = comm.recv(token, {action.shape!r}, torch.{action.dtype}, {action.src}, {action.tag}, communicator)"]
     if isinstance(action, Assemble):
         return [_assemble_line(action)]
+    if isinstance(action, Collective) and action.kind == "broadcast":
+        return [
+            f"{action.var}, token = comm.broadcast(token, {action.source_var}, {action.src}, {action.ranks!r}, "
+            f"{action.shape!r}, torch.{action.dtype}, communicator)"
+        ]
     if isinstance(action, Collective):
         extra = f", {action.dim}" if action.kind in ("all_gather", "reduce_scatter") else (f", {action.dim}, {action.second_dim}" if action.kind == "all_to_all" else "")
         return [f"{action.var}, token = comm.{action.kind}(token, {action.source_var}{extra}, {action.ranks!r}, communicator)"]

@@ -75,5 +75,5 @@ def _renamed(action: Action, names: dict[str, str]) -> Action:
     if isinstance(action, Assemble):
         return replace(action, var=names[action.var], fragments=tuple(replace(fragment, var=names[fragment.var]) for fragment in action.fragments))
     if isinstance(action, Collective):
-        return replace(action, var=names[action.var], source_var=names[action.source_var])
+        return replace(action, var=names[action.var], source_var=names.get(action.source_var, action.source_var))
     raise TypeError(f"unknown action {action!r}")

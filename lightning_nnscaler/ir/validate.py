@@ -221,13 +221,17 @@ def _data_edges(graph: Graph) -> dict[str, dict[str, str]]:
     # Many consumers read the same piece (replicated or sibling ops): look each piece up once.
     overlapping: dict[tuple[str, IndexMask], list[str]] = {}
     edges: dict[str, dict[str, str]] = {}
+    place = {op.name: (op.device, op.segment) for op in graph.ops}
     for op in graph.ops:
         reads: dict[str, str] = {}
         for piece in op.tensor_inputs:
             key = (piece.name, piece.index)
             if key not in overlapping:
                 overlapping[key] = writers[piece.name].writers(piece.index) if piece.name in writers else []
-            for producer in exact.get((piece.name, piece.index, piece.value)) or overlapping[key]:
+            copies = exact.get((piece.name, piece.index, piece.value))
+            if copies and op.segment is not None:  # a pipelined reader uses the copy its own segment writes, if any
+                copies = [name for name in copies if place[name] == (op.device, op.segment)] or copies
+            for producer in copies or overlapping[key]:
                 if producer != op.name:
                     reads.setdefault(producer, piece.name)
         edges[op.name] = reads

@@ -23,7 +23,7 @@ import math
 from collections import defaultdict
 
 from lightning_nnscaler.ir.graph import Graph
-from lightning_nnscaler.ir.tensor import IndexMask, PTensor, ValueMask, VTensor, covers_exactly
+from lightning_nnscaler.ir.tensor import DTYPE_BYTES, IndexMask, PTensor, ValueMask, VTensor, covers_exactly
 from lightning_nnscaler.ir.validate import validate_plan
 from lightning_nnscaler.ir.op import PROLOGUE, Op
 from lightning_nnscaler.materialize.collectives import collective_path, group_of
@@ -31,7 +31,7 @@ from lightning_nnscaler.materialize.early_sends import issue_sends_early
 from lightning_nnscaler.materialize.program import (
     Assemble, Collective, Compute, Fragment, GradientGroup, LocalTensor, Program, RankOutput, RankProgram, Recv, Segment, Send, box_of,
 )
-from lightning_nnscaler.materialize.search import CostModel
+from lightning_nnscaler.materialize.search import AlphaBeta, CollectivesOnly, CostModel
 
 PieceKey = tuple[Segment, str, IndexMask, object]
 
@@ -40,7 +40,10 @@ class MaterializeError(ValueError):
     """A piece cannot be assembled from what the plan produces; names the op and the tensor."""
 
 
-def materialize(graph: Graph, world_size: int, *, validate: bool = True, collectives: bool = True, cost: CostModel | None = None) -> Program:
+def materialize(
+    graph: Graph, world_size: int, *, validate: bool = True, collectives: bool = True, cost: CostModel | None = None,
+    shared_stages: frozenset[int] = frozenset(),
+) -> Program:
     """Lower a placed graph into per-rank programs (see the module docstring).
 
     Args:
@@ -49,10 +52,13 @@ def materialize(graph: Graph, world_size: int, *, validate: bool = True, collect
         validate: False skips ``validate_plan`` for a graph the caller has just validated.
         collectives: Let the RVD search replace point-to-point transfers by collectives where cheaper.
         cost: The cost model the search prices steps with (default: alpha-beta).
+        shared_stages: Pipeline stages that every rank runs at its own point of its own list (the
+            interlaced pipeline's vocabulary layers): their pieces meet only by collectives, never by
+            point-to-point messages, which could pair with the pipeline's own messages in another order.
     """
     if validate:
         validate_plan(graph, world_size)
-    return _Builder(graph, world_size, cost if collectives else None, collectives).run()
+    return _Builder(graph, world_size, cost if collectives else None, collectives, shared_stages).run()
 
 
 def _bounding(masks: list[IndexMask]) -> IndexMask:
@@ -60,10 +66,11 @@ def _bounding(masks: list[IndexMask]) -> IndexMask:
 
 
 class _Builder:
-    def __init__(self, graph: Graph, world_size: int, cost: CostModel | None, collectives: bool) -> None:
+    def __init__(self, graph: Graph, world_size: int, cost: CostModel | None, collectives: bool, shared_stages: frozenset[int] = frozenset()) -> None:
         self.graph = graph
         self.cost = cost
         self.collectives = collectives
+        self.shared_stages = shared_stages
         self.routed: set[tuple[str, str, int]] = set()
         self.pieces_of: dict[str, list] = defaultdict(list)
         for op in graph.ops:
@@ -260,11 +267,20 @@ class _Builder:
             sources[rank] = (merged, None if len(pieces) > 1 else next(iter(pieces.values())))
         if all(sources.get(rank, (None,))[0] == wanted for rank, wanted in targets.items()):
             return False  # every device already holds what it reads
+        shared = self.pipelined and segment != PROLOGUE and segment[0] in self.shared_stages
+        if shared and self.broadcast(sources, targets, position, segment):
+            return True
         search_sources, search_targets = {rank: entry[0] for rank, entry in sources.items()}, targets
         if self.pipelined:  # a segment's pieces cover its microbatch's rows: search within them
             search_sources, search_targets = _within_common_box(search_sources), _within_common_box(targets)
-        path = collective_path(search_sources, search_targets, self.cost)
+        path = collective_path(search_sources, search_targets, CollectivesOnly(self.cost or AlphaBeta()) if shared else self.cost)
         if path is None:
+            if shared:
+                raise MaterializeError(
+                    f"op {reader.name!r} of shared stage {segment[0]} reads %{piece.name}, which its pieces on ranks "
+                    f"{sorted(sources)} cannot bring to ranks {sorted(targets)} by collectives; a shared stage's ranks run "
+                    "it at different points of their lists, so point-to-point messages could pair wrongly"
+                )
             return False
         within = next(iter(search_targets.values()))
         current = {rank: var or self.sum_locally(rank, merged, by_rank[rank], position, segment) for rank, (merged, var) in sources.items()}
@@ -274,6 +290,25 @@ class _Builder:
                 current[rank] = self.collective_step(rank, step, current[rank], within, at, segment)
         for rank, wanted in targets.items():
             self.cache[rank][(segment, wanted.name, wanted.index, wanted.value)] = current[rank]
+        return True
+
+    def broadcast(self, sources: dict[int, tuple[VTensor, str | None]], targets: dict[int, VTensor], position: int, segment: Segment) -> bool:
+        """One rank holds exactly what every target reads: a broadcast from it (registers each result)."""
+        if len(sources) != 1:
+            return False
+        ((src, (piece, var)),) = sources.items()
+        if var is None or src not in targets or any(wanted != piece for wanted in targets.values()):
+            return False
+        ranks = tuple(sorted(targets))
+        nbytes = math.prod(piece.shape) * DTYPE_BYTES.get(piece.tensor.dtype, 4)
+        for rank in ranks:
+            result = self.var(rank, f"{piece.name}_broadcast")
+            self.segment_of[(rank, result)] = segment
+            self.programs[rank].actions.append(Collective(
+                position - 0.4, "broadcast", result, var if rank == src else "None", ranks, bytes_per_device=nbytes if rank == src else 0,
+                segment=segment, src=src, shape=piece.shape, dtype=piece.tensor.dtype,
+            ))
+            self.cache[rank][(segment, piece.name, piece.index, piece.value)] = result
         return True
 
     def sum_locally(self, rank: int, merged: VTensor, pieces: dict[VTensor, str], position: int, segment: Segment = None) -> str:

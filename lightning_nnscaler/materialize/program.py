@@ -95,14 +95,17 @@ class Collective:
     """A collective among ``ranks`` on ``source_var``, producing ``var``."""
 
     position: float
-    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | broadcast
     var: str
-    source_var: str
+    source_var: str  # "None" on the ranks of a broadcast other than its source
     ranks: tuple[int, ...]
     dim: int = 0
     second_dim: int = 0
     bytes_per_device: int = 0  # what this device sends in the collective (for explain)
     segment: Segment = None
+    src: int = -1  # broadcast: the rank whose tensor every rank gets
+    shape: tuple[int, ...] = ()  # broadcast: the tensor's shape and dtype (the other ranks allocate it)
+    dtype: str = ""
 
 
 Action = Compute | Send | Recv | Assemble | Collective
@@ -112,6 +115,8 @@ def reads(action: Action) -> list[str]:
     """The variables ``action`` reads."""
     if isinstance(action, Compute):
         return list(action.input_vars)
+    if isinstance(action, Collective) and action.source_var == "None":
+        return []
     if isinstance(action, (Send, Collective)):
         return [action.source_var]
     if isinstance(action, Assemble):

@@ -199,6 +199,17 @@ class AlphaBeta:
 DEFAULT_COST = AlphaBeta()
 
 
+@dataclass(frozen=True)
+class CollectivesOnly:
+    """``cost`` for collectives; a point-to-point step costs so much that any collective path wins."""
+
+    cost: CostModel
+
+    def step_cost(self, step: Step) -> float:
+        """The wrapped cost, times a large factor for point-to-point steps."""
+        return self.cost.step_cost(step) * (1e9 if step.kind == "p2p" else 1.0)
+
+
 def search(
     shape: tuple[int, ...], dtype_bytes: int, source: Layout, target: Layout, cost: CostModel = DEFAULT_COST
 ) -> Path:

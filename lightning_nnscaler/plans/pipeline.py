@@ -32,10 +32,11 @@ from lightning_nnscaler.plans.dp import split_batch
 from lightning_nnscaler.plans.layout import DeviceGrid, RecipeLayout
 from lightning_nnscaler.plans.megatron_tp import megatron_choice, tensor_parallel
 from lightning_nnscaler.plans.propagate import replicate
-from lightning_nnscaler.primitives import op_assign, op_orders
-from lightning_nnscaler.schedules import Schedule, gpipe, interleaved, lower, one_f_one_b, three_f_one_b, validate, zb1
+from lightning_nnscaler.primitives import TransformError, op_assign, op_orders, op_trans
+from lightning_nnscaler.plans.interlaced import SharedLayers, find_shared_layers
+from lightning_nnscaler.schedules import Schedule, gpipe, interlaced, interleaved, lower, one_f_one_b, three_f_one_b, validate, zb1
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1", "3f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1", "3f1b", "interlaced")
 _MATMULS = {"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default", "aten.addmm.default"}
 _ATTENTION = {"aten.scaled_dot_product_attention.default", "aten._scaled_dot_product_flash_attention_for_cpu.default"}
 
@@ -71,6 +72,15 @@ def three_f_one_b_plan(graph: Graph, ctx: PlanContext, *, stages: int | None = N
     pipeline(graph, ctx, schedule="3f1b", stages=stages, microbatches=microbatches)
 
 
+def interlaced_plan(
+    graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None, shared_layers: str | None = None,
+) -> None:
+    """Interlaced pipeline for large vocabularies: embedding lookups and the vocabulary projection split
+    over all ``stages`` ranks, run by every rank between its 1F1B actions (``plans.interlaced``)."""
+    names = [name.strip() for name in shared_layers.split(",") if name.strip()] if shared_layers else None
+    pipeline(graph, ctx, schedule="interlaced", stages=stages, microbatches=microbatches, shared_layers=names)
+
+
 def hybrid3d(graph: Graph, ctx: PlanContext, *, dp: int = 1, tp: int = 1, pp: int = 2, microbatches: int | None = None) -> None:
     """dp × tp × pp: ``dp`` replicas, each a 1F1B pipeline of ``pp`` stages, each stage Megatron-split over ``tp`` ranks."""
     pipeline(graph, ctx, schedule="1f1b", stages=pp, microbatches=microbatches, dp=dp, tp=tp)
@@ -94,7 +104,7 @@ def hybrid3d_layout(world_size: int, params: dict[str, Any]) -> RecipeLayout:
 
 def pipeline(
     graph: Graph, ctx: PlanContext, *, schedule: str, stages: int | None = None, microbatches: int | None = None,
-    virtual_stages: int = 1, dp: int | None = None, tp: int = 1,
+    virtual_stages: int = 1, dp: int | None = None, tp: int = 1, shared_layers: Sequence[str] | None = None,
 ) -> None:
     """Plan ``graph`` as a pipeline (see the module docstring); sets ``ctx.pipeline``.
 
@@ -106,6 +116,8 @@ def pipeline(
         virtual_stages: Model chunks per rank (interleaved only).
         dp: Data-parallel replicas (default: ``world_size / (stages × tp)``).
         tp: Tensor-parallel ranks per stage.
+        shared_layers: Interlaced only: the op names of the layers split by vocabulary over all the
+            pipeline's ranks (default: found from the graph, see ``plans.interlaced``).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -113,6 +125,8 @@ def pipeline(
         virtual_stages = count_recycles(graph)
     elif schedule != "interleaved" and virtual_stages != 1:
         raise ValueError(f"pipeline: virtual_stages={virtual_stages} needs schedule='interleaved'")
+    if schedule == "interlaced" and tp != 1:
+        raise ValueError(f"interlaced: tp={tp} is not supported (its shared layers are already split over every pipeline rank)")
     pp = stages or ctx.world_size // ((dp or 1) * tp)
     dp = dp or ctx.world_size // (pp * tp)
     if min(pp, dp, tp) < 1 or dp * pp * tp != ctx.world_size:
@@ -128,7 +142,13 @@ def pipeline(
         )
     order = _schedule(schedule, pp, microbatches, virtual_stages)
     validate(lower(order))
-    cut = cut_stages(graph, pp * virtual_stages, forward_only=order.forward_only)
+    shared = None
+    if schedule == "interlaced":
+        shared = find_shared_layers(graph, _kinds(graph, list(graph.ops), {output.name: op for op in graph.ops for output in op.outputs}), shared_layers)
+        fixed = {name: 0 for name in shared.input_stage} | {name: pp + 1 for name in shared.output_stage}
+        cut = cut_stages(graph, pp, fixed=fixed, first=1)
+    else:
+        cut = cut_stages(graph, pp * virtual_stages, forward_only=order.forward_only)
     grid = DeviceGrid.of(dp=dp, pp=pp, tp=tp)
     choose = megatron_choice(graph) if tp > 1 else None
     origins = [op.name for op in graph.ops]
@@ -138,9 +158,13 @@ def pipeline(
         for part, piece in enumerate(pieces[index]):
             replica, microbatch = divmod(part, microbatches)
             stage = cut.stage_of[name]
-            column = order.stage_ranks[stage if stage != PROLOGUE_STAGE else cut.first_reader_stage(name)]
-            ranks = [_rank(grid, replica, column, position) for position in range(tp)]
             segment = PROLOGUE if stage == PROLOGUE_STAGE else (stage, microbatch)
+            placing = stage if stage != PROLOGUE_STAGE else cut.first_reader_stage(name)
+            if order.is_shared(placing):
+                place_shared(graph, piece, shared, [_rank(grid, replica, column, 0) for column in range(pp)], segment)
+                continue
+            column = order.stage_ranks[placing]
+            ranks = [_rank(grid, replica, column, position) for position in range(tp)]
             placed = op_assign(graph, piece, ranks[0], segment=segment)  # with tp > 1, split over the stage's ranks below
             if 0 <= stage < order.forward_only and not placed.no_grad:  # a recycling stage: no gradient flows through it
                 graph.replace_op(placed, [dataclasses.replace(placed, no_grad=True)])
@@ -148,6 +172,28 @@ def pipeline(
         _split_stages(graph, tp, grid, order, choose)
     ctx.pipeline = PipelinePlan(order, tuple(grid.coordinate(rank, "pp") for rank in range(ctx.world_size)))
     order_forwards(graph, ctx.pipeline)
+
+
+def place_shared(graph: Graph, piece: Op, shared: SharedLayers, ranks: list[int], segment: tuple[int, int]) -> None:
+    """Place a piece of a shared stage's op over the pipeline's ``ranks`` (``plans.interlaced``): lookups
+    split by vocabulary rows, projections by output rows, the hand-in on the last rank, the rest replicated."""
+    name = piece.source_name
+    if name in shared.lookups or name in shared.projections:
+        dim = "v" if name in shared.lookups else "n"
+        try:
+            parts = op_trans(graph, piece, dim, len(ranks))
+        except TransformError as error:
+            raise ValueError(
+                f"interlaced: cannot split {name!r} by vocabulary over {len(ranks)} ranks ({error}); pad the vocabulary "
+                f"to a multiple of {len(ranks)} (as Megatron does), or use fewer stages"
+            ) from None
+    elif name in shared.hand_ins:
+        op_assign(graph, piece, ranks[-1], segment=segment)
+        return
+    else:
+        parts = replicate(graph, piece, len(ranks))
+    for part, rank in zip(parts, ranks):
+        op_assign(graph, part, rank, segment=segment)
 
 
 def order_forwards(graph: Graph, plan: PipelinePlan) -> None:
@@ -222,6 +268,8 @@ def _schedule(name: str, stages: int, microbatches: int, virtual_stages: int) ->
         return zb1(stages, microbatches)
     if name == "3f1b":
         return three_f_one_b(stages, microbatches, virtual_stages)
+    if name == "interlaced":
+        return interlaced(stages, microbatches)
     return interleaved(stages, virtual_stages, microbatches)
 
 
@@ -253,8 +301,11 @@ class StageCut:
         return min(stages, default=0)
 
 
-def cut_stages(graph: Graph, stages: int, forward_only: int = 0) -> StageCut:
+def cut_stages(graph: Graph, stages: int, forward_only: int = 0, fixed: dict[str, int] | None = None, first: int = 0) -> StageCut:
     """Each op of ``graph`` (not yet split) -> its stage (``PROLOGUE_STAGE`` for the prologue).
+
+    The ops of ``fixed`` keep their given stage; the other ops on the batch's path are cut into
+    ``stages`` stages numbered from ``first`` (the interlaced pipeline's shared layers are fixed).
 
     With ``forward_only`` > 0 (3F1B), the ops running under ``no_grad`` (the recycling passes, which
     must all come before the gradient pass) fill the first ``forward_only`` stages, the others the rest.
@@ -271,7 +322,8 @@ def cut_stages(graph: Graph, stages: int, forward_only: int = 0) -> StageCut:
             if piece.name in producer:
                 readers.setdefault(producer[piece.name].name, []).append(op.name)
     kind = _kinds(graph, ops, producer)
-    flowing = [op for op in ops if kind[op.name] == "batch"]
+    fixed = fixed or {}
+    flowing = [op for op in ops if kind[op.name] == "batch" and op.name not in fixed]
     if len(flowing) < stages:
         raise ValueError(f"pipeline: {stages} stages need at least {stages} ops on the batch's path; the model has {len(flowing)}")
     stage_of: dict[str, int] = {}
@@ -283,11 +335,12 @@ def cut_stages(graph: Graph, stages: int, forward_only: int = 0) -> StageCut:
             raise ValueError(f"3f1b: {len(recycling)} recycling and {len(gradient)} gradient-pass ops cannot fill {forward_only} and {stages - forward_only} stages")
         parts = [(recycling, forward_only, 0), (gradient, stages - forward_only, forward_only)]
     else:
-        parts = [(flowing, stages, 0)]
-    for part, count, first in parts:
+        parts = [(flowing, stages, first)]
+    for part, count, start in parts:
         cuts = _balanced_cuts(part, count)
         for index, op in enumerate(part):
-            stage_of[op.name] = first + sum(index >= cut for cut in cuts)
+            stage_of[op.name] = start + sum(index >= cut for cut in cuts)
+    stage_of.update(fixed)
     for op in reversed(ops):  # weights-only ops join their first reader's stage
         if kind[op.name] == "weights":
             stage_of[op.name] = min((stage_of[reader] for reader in readers.get(op.name, []) if stage_of.get(reader, -1) >= 0), default=0)

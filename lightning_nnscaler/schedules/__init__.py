@@ -5,8 +5,9 @@ SEND/RECV actions; ``validate`` runs all lists symbolically and raises ``Schedul
 step × rank grid when the schedule would hang or mispair messages. Nothing here imports torch.
 """
 
-from lightning_nnscaler.schedules.actions import Action, Kind, Schedule, Timeline
+from lightning_nnscaler.schedules.actions import SHARED, Action, Kind, Schedule, Timeline
 from lightning_nnscaler.schedules.gpipe import gpipe
+from lightning_nnscaler.schedules.interlaced import interlaced
 from lightning_nnscaler.schedules.interleaved import interleaved
 from lightning_nnscaler.schedules.lower import lower
 from lightning_nnscaler.schedules.metrics import Durations, bubble_fraction, peak_in_flight, theoretical_bubble_fraction
@@ -17,6 +18,7 @@ from lightning_nnscaler.schedules.validate import ScheduleError, execute, valida
 from lightning_nnscaler.schedules.zero_bubble import zb1
 
 __all__ = [
+    "SHARED",
     "Action",
     "Durations",
     "Kind",
@@ -27,6 +29,7 @@ __all__ = [
     "execute",
     "gpipe",
     "grid",
+    "interlaced",
     "interleaved",
     "lower",
     "one_f_one_b",

@@ -44,6 +44,8 @@ class Kind(str, enum.Enum):
 
 
 F, B, W = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT
+SHARED = -1
+"""``Schedule.stage_ranks`` entry of a stage that every rank runs together (split over all of them)."""
 _KINDS_BY_TEXT = {kind.value: kind for kind in Kind}
 _PATTERN = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)(\d+)(?:(->|<-)(\d+))?")
 
@@ -108,7 +110,9 @@ class Schedule:
     Attributes:
         actions: ``actions[rank]`` is that rank's program, in the only order it runs.
         stage_ranks: ``stage_ranks[stage]`` is the rank holding that stage (for interleaved schedules rank r
-            holds stages r, r + p, r + 2p, ...).
+            holds stages r, r + p, r + 2p, ...), or ``SHARED`` for a stage every rank runs together
+            (the interlaced pipeline's large-vocabulary layers, split over all ranks: its actions are in
+            every rank's list, and run like a collective).
         microbatches: the number of microbatches per step.
     """
 
@@ -123,7 +127,7 @@ class Schedule:
         object.__setattr__(self, "stage_ranks", tuple(self.stage_ranks))
         if not 0 <= self.forward_only < max(len(self.stage_ranks), 1):
             raise ValueError(f"forward_only ({self.forward_only}) must leave at least one of the {len(self.stage_ranks)} stages with a backward")
-        bad = [rank for rank in self.stage_ranks if not 0 <= rank < len(self.actions)]
+        bad = [rank for rank in self.stage_ranks if rank != SHARED and not 0 <= rank < len(self.actions)]
         if bad:
             raise ValueError(f"stage_ranks {self.stage_ranks} names ranks {bad} outside the {len(self.actions)} ranks of the schedule")
 
@@ -157,8 +161,16 @@ class Schedule:
         return stage >= self.forward_only
 
     def stages_of_rank(self, rank: int) -> list[int]:
-        """The stages ``rank`` holds, in increasing order."""
-        return [stage for stage, holder in enumerate(self.stage_ranks) if holder == rank]
+        """The stages ``rank`` holds (shared ones included), in increasing order."""
+        return [stage for stage, holder in enumerate(self.stage_ranks) if holder in (rank, SHARED)]
+
+    def is_shared(self, stage: int) -> bool:
+        """Whether every rank runs ``stage`` (``stage_ranks[stage] == SHARED``)."""
+        return self.stage_ranks[stage] == SHARED
+
+    def holders(self, stage: int) -> list[int]:
+        """The ranks that run ``stage``: all of them for a shared stage."""
+        return list(range(self.world_size)) if self.is_shared(stage) else [self.stage_ranks[stage]]
 
 
 

@@ -27,27 +27,35 @@ def lower(schedule: Schedule) -> Schedule:
         for action in rank_actions:
             if not action.kind.is_compute:
                 raise ValueError(f"lower() takes a compute-only schedule; rank {rank} already has {action}")
-            before, after = communication_around(schedule, action)
+            before, after = communication_around(schedule, action, rank)
             rank_lowered += [*before, action, *after]
         lowered.append(rank_lowered)
     return Schedule(lowered, schedule.stage_ranks, schedule.microbatches, schedule.forward_only)
 
 
-def communication_around(schedule: Schedule, action: Action) -> tuple[list[Action], list[Action]]:
-    """The receives that go right before ``action`` and the sends that go right after it."""
-    rank = schedule.stage_ranks[action.stage]
-    previous_rank = schedule.stage_ranks[action.stage - 1] if action.stage > 0 else rank
-    next_rank = schedule.stage_ranks[action.stage + 1] if action.stage + 1 < schedule.stages else rank
+def communication_around(schedule: Schedule, action: Action, rank: int) -> tuple[list[Action], list[Action]]:
+    """The receives that go right before ``action`` on ``rank`` and the sends that go right after it.
+
+    A shared stage (run by every rank) meets its neighbour stages in memory, on the rank that holds
+    the neighbour: its parts are brought together by collectives inside the stage, which every rank
+    runs at the same point of its list (``plans.interlaced``), so no message crosses its boundary.
+    """
+    stage, microbatch = action.stage, action.microbatch
     before: list[Action] = []
     after: list[Action] = []
+
+    def peers(neighbour: int) -> list[int]:
+        if not 0 <= neighbour < schedule.stages:
+            return []
+        if schedule.is_shared(neighbour) or schedule.is_shared(stage):
+            return []  # handed over in memory on the neighbour's rank
+        return [peer for peer in schedule.holders(neighbour) if peer != rank]
+
     if action.kind is Kind.FORWARD:
-        if previous_rank != rank:
-            before.append(Action(action.stage, action.microbatch, Kind.RECV_F, previous_rank))
-        if next_rank != rank:
-            after.append(Action(action.stage, action.microbatch, Kind.SEND_F, next_rank))
+        before += [Action(stage, microbatch, Kind.RECV_F, peer) for peer in peers(stage - 1)]
+        after += [Action(stage, microbatch, Kind.SEND_F, peer) for peer in peers(stage + 1)]
     elif action.kind is Kind.BACKWARD:
-        if next_rank != rank:
-            before.append(Action(action.stage, action.microbatch, Kind.RECV_B, next_rank))
-        if previous_rank != rank and schedule.has_backward(action.stage - 1):  # a forward-only stage takes no gradient
-            after.append(Action(action.stage, action.microbatch, Kind.SEND_B, previous_rank))
+        before += [Action(stage, microbatch, Kind.RECV_B, peer) for peer in peers(stage + 1)]
+        if stage > 0 and schedule.has_backward(stage - 1):  # a forward-only stage takes no gradient
+            after += [Action(stage, microbatch, Kind.SEND_B, peer) for peer in peers(stage - 1)]
     return before, after

@@ -52,18 +52,20 @@ def check_structure(schedule: Schedule) -> None:
             if problem:
                 _fail(schedule, f"rank {rank} step {index}: {action} {problem}", None, [(rank, index)])
     kinds = (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT) if schedule.splits_backward else (Kind.FORWARD, Kind.BACKWARD)
-    counts = Counter(action for rank_actions in schedule.actions for action in rank_actions)
-    expected = Counter(Action(stage, microbatch, kind) for stage in range(schedule.stages)
-                       for microbatch in range(schedule.microbatches) for kind in kinds
-                       if kind is Kind.FORWARD or schedule.has_backward(stage))
-    if any(not action.kind.is_compute for action in counts):
-        expected += Counter(comm for action in list(expected) for part in communication_around(schedule, action) for comm in part)
-    missing, extra = expected - counts, counts - expected
-    if missing or extra:
-        marked = [(rank, index) for rank, rank_actions in enumerate(schedule.actions)
-                  for index, action in enumerate(rank_actions) if action in extra]
+    lowered = any(not action.kind.is_compute for rank_actions in schedule.actions for action in rank_actions)
+    problems, marked = [], []
+    for rank, rank_actions in enumerate(schedule.actions):
+        counts = Counter(rank_actions)
+        expected = Counter(Action(stage, microbatch, kind) for stage in schedule.stages_of_rank(rank)
+                           for microbatch in range(schedule.microbatches) for kind in kinds
+                           if kind is Kind.FORWARD or schedule.has_backward(stage))
+        if lowered:
+            expected += Counter(comm for action in list(expected) for part in communication_around(schedule, action, rank) for comm in part)
+        missing, extra = expected - counts, counts - expected
+        marked += [(rank, index) for index, action in enumerate(rank_actions) if action in extra]
         labelled = [("missing actions", missing), ("unexpected or repeated actions", extra)]
-        problems = [f"{label} {_texts(actions)}" for label, actions in labelled if actions]
+        problems += [f"rank {rank}: {label} {_texts(actions)}" for label, actions in labelled if actions]
+    if problems:
         _fail(schedule, "; ".join(problems), None, marked)
 
 
@@ -72,7 +74,7 @@ def _placement_problem(schedule: Schedule, rank: int, action: Action) -> str:
         return f"names stage {action.stage}, but the schedule has {schedule.stages} stages"
     if action.microbatch >= schedule.microbatches:
         return f"names microbatch {action.microbatch}, but the schedule has {schedule.microbatches} microbatches"
-    if schedule.stage_ranks[action.stage] != rank:
+    if rank not in schedule.holders(action.stage):
         return f"runs on rank {rank}, but stage {action.stage} is held by rank {schedule.stage_ranks[action.stage]}"
     if action.peer is not None and action.peer >= schedule.world_size:
         return f"names peer rank {action.peer}, but the schedule has {schedule.world_size} ranks"
@@ -110,8 +112,11 @@ def dependencies(schedule: Schedule, rank: int, action: Action, recv_index: int,
         Kind.SEND_B: [Action(stage, microbatch, Kind.BACKWARD)],
     }[action.kind]
     if lowered and action.kind.is_compute:
-        needs += communication_around(schedule, action)[0]
-    return [_identity(need) for need in needs]
+        needs += communication_around(schedule, action, rank)[0]
+    keys = [_identity(need) for need in needs]
+    if action.kind.is_compute and schedule.is_shared(stage):
+        keys.append(("all", _identity(action)))  # a shared stage runs like a collective: every rank together
+    return keys
 
 
 def _identity(action: Action) -> Key:
@@ -152,6 +157,7 @@ class _Run:
     messages: Counter = field(default_factory=Counter)  # ("send" | "recv", channel) → count so far
     waiting: dict[Key, list[int]] = field(default_factory=dict)
     blocked: dict[int, Key] = field(default_factory=dict)
+    arrived: dict[Key, dict[int, float]] = field(default_factory=dict)  # shared action → rank → when it got there
 
     def __post_init__(self) -> None:
         world_size = self.schedule.world_size
@@ -169,7 +175,10 @@ class _Run:
             action = rank_actions[index]
             channel = None if action.kind.is_compute else _channel(action, rank)
             needs = dependencies(self.schedule, rank, action, self.messages["recv", channel], self.lowered)
-            missing = next((key for key in needs if key not in self.done), None)
+            missing = next((key for key in needs if key not in self.done and key[0] != "all"), None)
+            if missing is None:
+                missing, woken_by_arrival = self._arrive(rank, needs)
+                woken += woken_by_arrival
             if missing is not None:
                 self.waiting.setdefault(missing, []).append(rank)
                 self.blocked[rank] = missing
@@ -190,6 +199,19 @@ class _Run:
                 self.done[key] = end
                 woken += self.waiting.pop(key, [])
         return woken
+
+    def _arrive(self, rank: int, needs: list[Key]) -> tuple[Key | None, list[int]]:
+        """At a shared stage's action: note that ``rank`` reached it; the key it still waits for (until
+        every rank has), and the ranks the last arrival wakes."""
+        together = next((key for key in needs if key[0] == "all"), None)
+        if together is None or together in self.done:
+            return None, []
+        arrived = self.arrived.setdefault(together, {})
+        arrived[rank] = max([self.clock[rank], *(self.done[key] for key in needs if key != together)])
+        if len(arrived) < self.schedule.world_size:
+            return together, []
+        self.done[together] = max(arrived.values())
+        return None, [peer for peer in self.waiting.pop(together, []) if peer != rank]
 
     def _check_pairing(self, rank: int, index: int, action: Action, send_key: Key) -> None:
         """The k-th send on a channel must carry what the k-th receive expects, or the order is crossed."""
@@ -222,9 +244,14 @@ def _explain_deadlock(run: _Run, stuck: list[int]) -> str:
         if key[0] == "send":
             (sender, receiver), number = key[1], key[2]
             producer, awaited = sender, f"message {number} from rank {sender} to rank {receiver}"
+        elif key[0] == "all":
+            absent = [peer for peer in range(run.schedule.world_size) if peer not in run.arrived.get(key, {})]
+            producer, awaited = absent[0], f"every rank to reach {Action(*key[1])} (a shared stage: all ranks run it together); rank {absent[0]} has not"
         else:
             awaited_action = Action(*key)
-            producer, awaited = run.schedule.stage_ranks[awaited_action.stage], str(awaited_action)
+            holders = run.schedule.holders(awaited_action.stage)
+            producer = next((peer for peer in holders if run.cursor[peer] < len(run.schedule.actions[peer])), holders[0])
+            awaited = str(awaited_action)
         waits_for[rank] = producer
         if producer == rank:
             where = f"which rank {rank} runs later in its own list" + _hint(action, key)

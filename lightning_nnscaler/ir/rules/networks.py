@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import torch
 
 from lightning_nnscaler.ir.rules.common import _names, _text, argument, exact_value_inputs
 from lightning_nnscaler.ir.rules.registry import register_annotation
 from lightning_nnscaler.ir.op import Op
+from lightning_nnscaler.ir.vocab import VOCAB_EMBEDDING_OP
 
 
 def _batch_names(count: int, taken: str = "kmn") -> list[str]:
@@ -75,11 +77,30 @@ def _attention(op: Op) -> str | None:
     return _text(inputs, [["b", "h", "l", "f"]], exact_value_inputs(op, (2,)))
 
 
-@register_annotation("aten.embedding.default")
+def _vocabulary_slice(piece: Op) -> Op:
+    """A piece whose table holds only some vocabulary rows becomes a ``lnn.vocab_embedding`` of that slice."""
+    table, ids = piece.args[0], piece.args[1]
+    start, stop = piece.tensor_inputs[0].index.ranges[0]
+    if (start, stop) == (0, piece.tensor_inputs[0].tensor.shape[0]):
+        return piece
+    return replace(piece, target=VOCAB_EMBEDDING_OP, args=(table, ids, start), kwargs=())
+
+
+def _plain_lookup(op: Op) -> bool:
+    """An embedding without a padding row, frequency scaling or sparse gradients (``lnn.vocab_embedding`` has none)."""
+    if op.target == VOCAB_EMBEDDING_OP:
+        return True
+    padding = argument(op, 2, "padding_idx", -1)
+    return padding in (-1, None) and not argument(op, 3, "scale_grad_by_freq", False) and not argument(op, 4, "sparse", False)
+
+
+@register_annotation("aten.embedding.default", VOCAB_EMBEDDING_OP, rewrite=_vocabulary_slice)
 def _embedding(op: Op) -> str:
     _, indices = op.tensor_inputs
     index_names = _batch_names(len(indices.shape), taken="vd")
-    return _text([["v^", "d"], index_names], [index_names + ["d"]], exact_value_inputs(op, (0,)))
+    # Splitting the vocabulary rows leaves value parts: each slice looks up its own ids, zeros elsewhere.
+    vocabulary = "v+" if _plain_lookup(op) else "v^"
+    return _text([[vocabulary, "d"], index_names], [index_names + ["d"]], exact_value_inputs(op, (0,)))
 
 
 @register_annotation("aten.layer_norm.default")

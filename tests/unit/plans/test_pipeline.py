@@ -174,7 +174,7 @@ def test_boundary_messages_received_out_of_send_order_are_refused() -> None:
     first, second = (receiver.actions[index] for index in boundary[:2])
     receiver.actions[boundary[0]] = dataclasses.replace(first, tag=second.tag)
     receiver.actions[boundary[1]] = dataclasses.replace(second, tag=first.tag)
-    with pytest.raises(PlanError, match=r"rank 0 sends rank 1 its boundary messages in another order than rank 1 receives them"):
+    with pytest.raises(PlanError, match=r"rank 0 sends rank 1 its messages in another order than rank 1 receives them"):
         check_message_order(plan.program, plan.pipeline)
 
 

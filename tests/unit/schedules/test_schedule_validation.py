@@ -63,13 +63,13 @@ def test_cross_rank_cycle_of_compute_is_rejected_with_the_grid() -> None:
 
 def test_repeated_and_missing_actions_are_rejected() -> None:
     message = rejection([["0F0", "0F0", "0B0"], ["1F0"]], [0, 1], 1)
-    assert message.startswith("missing actions [1B0]; unexpected or repeated actions [0F0]\n")
+    assert message.startswith("rank 0: unexpected or repeated actions [0F0]; rank 1: missing actions [1B0]\n")
     assert "0    | *0F0*  | 1F0\n1    | *0F0*  |\n" in message
 
 
 def test_weight_gradients_must_cover_every_backward_once_split() -> None:
     message = rejection([["0F0", "0B0", "0W0"], ["1F0", "1B0"]], [0, 1], 1)
-    assert message.startswith("missing actions [1W0]\n")
+    assert message.startswith("rank 1: missing actions [1W0]\n")
 
 
 @pytest.mark.parametrize(

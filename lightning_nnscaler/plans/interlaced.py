@@ -1,0 +1,137 @@
+"""The interlaced pipeline's shared layers (nnScaler, Lin et al. OSDI 2024, §6): which ops run on every
+rank, split by vocabulary, and how each of them is placed.
+
+A large-vocabulary model spends much of its memory and work in the token embedding and the output
+projection. The interlaced plan splits those by vocabulary over *all* the ranks of a pipeline, and
+runs them as two shared stages (``schedules.interlaced``) around the pipeline stages:
+
+- stage 0: each **lookup** (an embedding into the large table) split by vocabulary rows: every rank
+  looks up the ids of its slice, zeros for the others (``ir.vocab``); each op reading a lookup (the
+  **gather**) is replicated on every rank, so an all-reduce inside the stage adds the slices up and
+  the pipeline stage that reads it finds it on its own rank;
+- stage ``p + 1``: the op writing the projection's input (the **hand-in**, e.g. the final norm) runs
+  on the last pipeline rank, which broadcasts its output inside the stage; each **projection** (a
+  linear onto the vocabulary) is split by output rows; what follows (the **tail**: the loss) is
+  replicated on every rank.
+
+So the shared stages meet the pipeline in memory, on the neighbour stage's rank, and all their
+communication is collectives inside the stage, run by every rank at the same point of its list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_nnscaler.ir.graph import Graph
+from lightning_nnscaler.ir.op import Op
+from lightning_nnscaler.ir.vocab import VOCAB_EMBEDDING_OP
+from lightning_nnscaler.plans.megatron_tp import is_linear
+
+LOOKUPS = ("aten.embedding.default", VOCAB_EMBEDDING_OP)
+
+
+@dataclass(frozen=True)
+class SharedLayers:
+    """Op names of the interlaced plan's shared layers, by role (see the module docstring)."""
+
+    lookups: tuple[str, ...]
+    gathers: tuple[str, ...]
+    hand_ins: tuple[str, ...]
+    projections: tuple[str, ...]
+    tail: tuple[str, ...]
+
+    @property
+    def input_stage(self) -> set[str]:
+        """The ops of the shared stage 0."""
+        return {*self.lookups, *self.gathers}
+
+    @property
+    def output_stage(self) -> set[str]:
+        """The ops of the shared last stage."""
+        return {*self.hand_ins, *self.projections, *self.tail}
+
+
+def find_shared_layers(graph: Graph, kinds: dict[str, str], names: Sequence[str] | None = None) -> SharedLayers:
+    """The lookups into the largest embedding table and the linears onto its vocabulary (or the ops
+    ``names`` gives), with the ops around them that the plan places alongside. ``kinds`` marks each
+    op ``batch`` (on the batch's path: what pipeline stages cut), ``weights`` or ``prologue``.
+
+    Raises:
+        ValueError: when there is no large-vocabulary layer, a named op is unknown or is no lookup or
+            linear, or a gather or the tail reads a pipeline stage's output (it cannot be shared).
+    """
+    ops = {op.name: op for op in graph.ops}
+    if names:
+        unknown = [name for name in names if name not in ops]
+        if unknown:
+            raise ValueError(f"interlaced: shared_layers names ops the graph does not have: {unknown}; op names look like {list(ops)[:6]}")
+        wrong = [name for name in names if ops[name].target not in LOOKUPS and not is_linear(ops[name])]
+        if wrong:
+            raise ValueError(f"interlaced: shared_layers {wrong} are neither embedding lookups nor linears; only those split by vocabulary")
+        chosen = list(names)
+    else:
+        chosen = _large_vocabulary_ops(graph)
+    lookups = tuple(name for name in chosen if ops[name].target in LOOKUPS)
+    projections = tuple(name for name in chosen if ops[name].target not in LOOKUPS)
+    producer = {output.name: op for op in graph.ops for output in op.outputs}
+    readers: dict[str, list[Op]] = {}
+    for op in graph.ops:
+        for piece in op.tensor_inputs:
+            if piece.name in producer:
+                readers.setdefault(producer[piece.name].name, []).append(op)
+    gathers = tuple(dict.fromkeys(reader.name for name in lookups for reader in readers.get(name, [])))
+    hand_ins = tuple(dict.fromkeys(
+        producer[ops[name].tensor_inputs[0].name].name for name in projections if ops[name].tensor_inputs[0].name in producer
+    ))
+    tail = _downstream(graph, projections, readers)
+    shared = SharedLayers(lookups, gathers, hand_ins, projections, tail)
+    _check_self_contained(graph, shared, producer, kinds)
+    return shared
+
+
+def _large_vocabulary_ops(graph: Graph) -> list[str]:
+    """Lookups into the embedding table with the most rows, if it has at least 4 rows per column, and
+    linears whose output features are that many."""
+    tables = {op.tensor_inputs[0].tensor.shape for op in graph.ops if op.target in LOOKUPS and op.tensor_inputs[0].tensor.role == "parameter"}
+    large = max((shape for shape in tables if len(shape) == 2 and shape[0] >= 4 * shape[1]), default=None, key=lambda shape: shape[0])
+    if large is None:
+        raise ValueError(
+            "interlaced: the model has no large-vocabulary embedding (a table with at least 4 rows per column); "
+            "name the ops to share with shared_layers='op,op' (embedding lookups and linears onto the vocabulary), or use 1f1b"
+        )
+    vocabulary = large[0]
+    return [
+        op.name for op in graph.ops
+        if (op.target in LOOKUPS and op.tensor_inputs[0].tensor.shape == large)
+        or (is_linear(op) and op.outputs and op.outputs[0].shape[-1] == vocabulary)
+    ]
+
+
+def _downstream(graph: Graph, starts: Sequence[str], readers: dict[str, list[Op]]) -> tuple[str, ...]:
+    """Every op reading, directly or not, what ``starts`` write (in graph order)."""
+    reached: set[str] = set()
+    frontier = list(starts)
+    while frontier:
+        for reader in readers.get(frontier.pop(), []):
+            if reader.name not in reached:
+                reached.add(reader.name)
+                frontier.append(reader.name)
+    return tuple(op.name for op in graph.ops if op.name in reached and op.name not in starts)
+
+
+def _check_self_contained(graph: Graph, shared: SharedLayers, producer: dict[str, Op], kinds: dict[str, str]) -> None:
+    """A gather may read only lookups and what needs no pipeline stage; the tail only the output stage."""
+    for role, names, allowed in (("reads an embedding lookup", shared.gathers, shared.input_stage),
+                                 ("follows the vocabulary projection", shared.tail, shared.output_stage)):
+        for name in names:
+            op = next(op for op in graph.ops if op.name == name)
+            for piece in op.tensor_inputs:
+                source = producer.get(piece.name)
+                if source is not None and source.name not in allowed and kinds[source.name] == "batch":
+                    raise ValueError(
+                        f"interlaced: op {name!r} ({op.target}) {role} and also reads %{piece.name} from op {source.name!r}, "
+                        "a pipeline stage's output; the shared layers must meet the pipeline at one tensor. "
+                        "Name the shared ops with shared_layers='op,op', or use 1f1b"
+                    )
+
