@@ -37,9 +37,15 @@ a no-grad forward costs as much as a forward).
 With fewer cores than ranks (the default machine: 4 ranks on 2 cores) ranks slow each other down
 while they compute at once, which makes measured bubbles smaller than on dedicated cores.
 
-Run: python benchmarks/pipeline.py                    (both tables; about 5 minutes on 2 cores)
+A third table (issue 9's acceptance) pipelines a large-vocabulary model, the mBART-style reference
+with a 32000-token vocabulary: the interlaced pipeline (``"interlaced"``: the embedding lookups and
+the output projection split by vocabulary over all 4 ranks, run by every rank between its 1F1B
+actions) against 1F1B, whose stage cut puts the whole projection and loss on the last rank.
+
+Run: python benchmarks/pipeline.py                    (all three tables; about 8 minutes on 2 cores)
      python benchmarks/pipeline.py --only gpt         (the GPT table alone)
      python benchmarks/pipeline.py --only recycling   (the 3F1B table alone)
+     python benchmarks/pipeline.py --only vocabulary  (the interlaced table alone)
      python benchmarks/pipeline.py --quick            (smaller models and fewer steps)
 """
 
@@ -62,6 +68,7 @@ from lightning_nnscaler.codegen import module_from_source
 from lightning_nnscaler.launch import LaunchError, launch
 from lightning_nnscaler.models.evoformer import Evoformer, EvoformerConfig
 from lightning_nnscaler.models.gpt import GPT, GPTConfig
+from lightning_nnscaler.models.mbart import MBart, MBartConfig
 from lightning_nnscaler.parallelize import build_plan
 from lightning_nnscaler.plans.context import PipelinePlan
 from lightning_nnscaler.runtime import TorchDistributedCommunicator
@@ -140,7 +147,42 @@ class RecyclingSettings:
         return Evoformer(self.evoformer_config())
 
 
-AnySettings = Settings | RecyclingSettings
+@dataclass(frozen=True)
+class VocabularySettings:
+    """The large-vocabulary model (mBART-style encoder-decoder), the pipeline and the measurement.
+
+    The vocabulary dominates as in mBART (250k tokens, 1024 wide): its embedding and output projection
+    hold most parameters and the projection most of the work, so a 1F1B stage cut leaves the last
+    stage (the projection and the loss) far heavier than the others.
+    """
+
+    vocab: int = 32000
+    hidden: int = 128
+    heads: int = 4
+    encoder_layers: int = 2
+    decoder_layers: int = 2
+    seq_len: int = 32
+    batch: int = 8
+    stages: int = 4
+    microbatches: int = 8
+    warmup: int = 2
+    steps: int = 5
+    collective_timeout: float = 60.0
+    run_timeout: float = 420.0
+
+    def mbart_config(self) -> MBartConfig:
+        """The mBART-style model's shape."""
+        return MBartConfig(
+            vocab_size=self.vocab, seq_len=self.seq_len, hidden=self.hidden, encoder_layers=self.encoder_layers,
+            decoder_layers=self.decoder_layers, heads=self.heads,
+        )
+
+    def model(self) -> MBart:
+        """A fresh mBART-style model (weights from the caller's RNG state)."""
+        return MBart(self.mbart_config())
+
+
+AnySettings = Settings | RecyclingSettings | VocabularySettings
 
 
 @dataclass
@@ -232,19 +274,40 @@ def chunk_blocks(payload: PlanPayload, settings: Settings) -> list[list[int]]:
 
 
 class TimedCommunicator(TorchDistributedCommunicator):
-    """The gloo communicator, recording when each blocking ``recv`` waited (``perf_counter`` seconds)."""
+    """The gloo communicator, recording when each blocking ``recv`` and each collective waited
+    (``perf_counter`` seconds): a collective inside an action (the interlaced pipeline's shared
+    stages) waits for the slowest rank, which is bubble as much as a receive's wait is."""
 
     def __init__(self, timeout: float) -> None:
         super().__init__(timeout)
         self.waits: list[tuple[float, float]] = []
 
-    def recv(self, shape: Any, dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
-        """Receive as the base class does, timing the wait."""
+    def _timed(self, run: Any) -> Any:
         start = time.perf_counter()
         try:
-            return super().recv(shape, dtype, src, tag)
+            return run()
         finally:
             self.waits.append((start, time.perf_counter()))
+
+    def recv(self, shape: Any, dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
+        """Receive as the base class does, timing the wait."""
+        return self._timed(lambda: super(TimedCommunicator, self).recv(shape, dtype, src, tag))
+
+    def all_reduce(self, tensor: torch.Tensor, ranks: Any) -> torch.Tensor:
+        """All-reduce as the base class does, timing it."""
+        return self._timed(lambda: super(TimedCommunicator, self).all_reduce(tensor, ranks))
+
+    def all_gather(self, tensor: torch.Tensor, dim: int, ranks: Any) -> torch.Tensor:
+        """All-gather as the base class does, timing it."""
+        return self._timed(lambda: super(TimedCommunicator, self).all_gather(tensor, dim, ranks))
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int, ranks: Any) -> torch.Tensor:
+        """Reduce-scatter as the base class does, timing it."""
+        return self._timed(lambda: super(TimedCommunicator, self).reduce_scatter(tensor, dim, ranks))
+
+    def broadcast(self, tensor: torch.Tensor | None, src: int, ranks: Any, shape: Any, dtype: torch.dtype) -> torch.Tensor:
+        """Broadcast as the base class does, timing it."""
+        return self._timed(lambda: super(TimedCommunicator, self).broadcast(tensor, src, ranks, shape, dtype))
 
 
 class _Saved:
@@ -615,8 +678,9 @@ def recycling_rank_main(rank: int, world_size: int, settings: RecyclingSettings,
     return {payload.name: {"ours": run_ours(rank, settings, payload)} for payload in payloads}
 
 
-def recycling_table(per_rank: list[dict[str, Any]], settings: RecyclingSettings, schedules: dict[str, Schedule]) -> str:
-    """The 3F1B table: ms/step, speed-up over the baseline, measured and symbolic bubble, activation peaks."""
+def recycling_table(per_rank: list[dict[str, Any]], settings: AnySettings, schedules: dict[str, Schedule], baseline: str = RECYCLING_BASELINE) -> str:
+    """A comparison table (3F1B's, the interlaced pipeline's): ms/step, speed-up over ``baseline``,
+    measured and symbolic bubble, activation peaks."""
     header = ["schedule", "ms/step", "speed-up vs baseline", "measured bubble", "theory bubble",
               *(f"act stage{rank}" for rank in range(settings.stages))]
     milliseconds = {name: step_ms([results[name]["ours"]["times"] for results in per_rank]) for name in schedules}
@@ -627,7 +691,7 @@ def recycling_table(per_rank: list[dict[str, Any]], settings: RecyclingSettings,
         expected = peak_in_flight(schedule)
         memory = [f"{result['peak'] * settings.microbatches / result['total']:.2f} ({expected[rank]:g})" if result["total"] else "n/a"
                   for rank, result in enumerate(ours)]
-        rows.append([name, f"{milliseconds[name]:.1f}", f"{milliseconds[RECYCLING_BASELINE] / milliseconds[name]:.2f}",
+        rows.append([name, f"{milliseconds[name]:.1f}", f"{milliseconds[baseline] / milliseconds[name]:.2f}",
                      f"{bubble:.3f}", f"{bubble_fraction(schedule):.3f}", *memory])
     widths = [max(len(row[column]) for row in [header, *rows]) for column in range(len(header))]
     lines = [" | ".join(text.ljust(width) for text, width in zip(header, widths)), "-+-".join("-" * width for width in widths)]
@@ -660,17 +724,52 @@ def run_recycling(quick: bool, steps: int | None) -> None:
     print(f"wall time {time.perf_counter() - started:.0f} s")
 
 
+def run_vocabulary(quick: bool, steps: int | None) -> None:
+    """Plan 1F1B and the interlaced pipeline on the large-vocabulary model, run both on 4 gloo ranks, print the table."""
+    settings = VocabularySettings(vocab=8192, steps=2, warmup=1) if quick else VocabularySettings()
+    if steps:
+        settings = dataclasses.replace(settings, steps=steps)
+    started = time.perf_counter()
+    print(f"mBART-style vocab {settings.vocab}, hidden {settings.hidden}, {settings.encoder_layers}+{settings.decoder_layers} layers, "
+          f"seq {settings.seq_len}, batch {settings.batch}; p = {settings.stages} gloo CPU ranks (1 thread each), m = {settings.microbatches}; "
+          f"{settings.warmup} warm-up + {settings.steps} timed steps; torch {torch.__version__}")
+    model = build_model(settings)
+    batch = example_batch(model, settings)
+    payloads, schedules = [], {}
+    for name in ("1f1b", "interlaced"):
+        plan = lnn.parallelize(model, batch, name, settings.stages, step="training_step", microbatches=settings.microbatches)
+        payloads.append(PlanPayload(name, 1, plan.sources, dict(plan.graph.constant_values), [tensor.name for tensor in plan.graph.user_inputs],
+                                    [plan.input_offsets(rank) for rank in range(settings.stages)]))
+        schedules[name] = plan.pipeline.schedule
+    print(f"planned 1f1b and interlaced in {time.perf_counter() - started:.1f} s")
+    try:
+        per_rank = launch(recycling_rank_main, settings.stages, settings, payloads, timeout=settings.run_timeout,
+                          collective_timeout=settings.collective_timeout)
+    except LaunchError as error:
+        raise SystemExit(f"benchmark failed: {error}") from None
+    print(recycling_table(per_rank, settings, schedules, baseline="1f1b"))
+    print("ms/step: median over timed steps of the slowest rank; speed-up: 1f1b ms / row ms (goal >= 1.3 for interlaced); "
+          "measured bubble: mean over ranks and timed steps; theory: bubble_fraction of the schedule (F = 1, B = 2 per action, "
+          "a shared stage's action as long as a stage's)")
+    print("act stageN: peak saved-for-backward bytes / one microbatch of that rank's actions (schedule's peak in-flight count)")
+    for name in schedules:
+        print(timeline(per_rank, name))
+    print(f"wall time {time.perf_counter() - started:.0f} s")
+
+
 def main() -> None:
     """Run the GPT table (every schedule vs torch) and the recycling table (3F1B vs its baseline), or one of them."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer steps (a smoke test)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per schedule")
-    parser.add_argument("--only", choices=("gpt", "recycling"), default=None, help="run one table (default: both)")
+    parser.add_argument("--only", choices=("gpt", "recycling", "vocabulary"), default=None, help="run one table (default: all three)")
     arguments = parser.parse_args()
     if arguments.only in (None, "gpt"):
         run_gpt(arguments.quick, arguments.steps)
     if arguments.only in (None, "recycling"):
         run_recycling(arguments.quick, arguments.steps)
+    if arguments.only in (None, "vocabulary"):
+        run_vocabulary(arguments.quick, arguments.steps)
 
 
 def run_gpt(quick: bool, steps: int | None) -> None:

@@ -192,7 +192,8 @@ def explain_pipeline(pipeline: PipelinePlan) -> str:
     action grid over the pipeline positions, each action at the step it runs."""
     schedule = pipeline.schedule
     ranks, microbatches = schedule.world_size, schedule.microbatches
-    virtual = schedule.stages // ranks
+    shared = [stage for stage in range(schedule.stages) if schedule.is_shared(stage)]
+    virtual = (schedule.stages - len(shared)) // ranks
     durations = Durations()
     timeline = execute(schedule, lambda action: durations.of(action, schedule.splits_backward))
     measured = bubble_fraction(schedule, durations)
@@ -201,6 +202,11 @@ def explain_pipeline(pipeline: PipelinePlan) -> str:
         f"pipeline: {schedule.stages} stages on {ranks} positions, {microbatches} microbatches; bubble {measured:.1%} "
         f"(symbolic run, F=1 B=2{' W=1, B split' if schedule.splits_backward else ''}); (p-1)/({'v·' if virtual > 1 else ''}m+p-1) = {formula:.1%}"
     )
+    if shared:
+        header += (
+            f"\nshared stages {' and '.join(map(str, shared))} (interlaced): every position runs its vocabulary slice of them "
+            "at the same step, the rows where all columns show the same action"
+        )
     return header + "\n" + grid(schedule, timeline)
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.vocab import VOCAB_EMBEDDING_OP
-from lightning_nnscaler.plans.megatron_tp import is_linear
+from lightning_nnscaler.plans.megatron_tp import final_linears, is_linear
 
 LOOKUPS = ("aten.embedding.default", VOCAB_EMBEDDING_OP)
 
@@ -92,7 +92,8 @@ def find_shared_layers(graph: Graph, kinds: dict[str, str], names: Sequence[str]
 
 def _large_vocabulary_ops(graph: Graph) -> list[str]:
     """Lookups into the embedding table with the most rows, if it has at least 4 rows per column, and
-    linears whose output features are that many."""
+    the final linears (no linear downstream: the heads, not an MLP that happens to be as wide) whose
+    output features are that many."""
     tables = {op.tensor_inputs[0].tensor.shape for op in graph.ops if op.target in LOOKUPS and op.tensor_inputs[0].tensor.role == "parameter"}
     large = max((shape for shape in tables if len(shape) == 2 and shape[0] >= 4 * shape[1]), default=None, key=lambda shape: shape[0])
     if large is None:
@@ -101,10 +102,11 @@ def _large_vocabulary_ops(graph: Graph) -> list[str]:
             "name the ops to share with shared_layers='op,op' (embedding lookups and linears onto the vocabulary), or use 1f1b"
         )
     vocabulary = large[0]
+    final = final_linears(graph)
     return [
         op.name for op in graph.ops
         if (op.target in LOOKUPS and op.tensor_inputs[0].tensor.shape == large)
-        or (is_linear(op) and op.outputs and op.outputs[0].shape[-1] == vocabulary)
+        or (is_linear(op) and op.source_name in final and op.outputs and op.outputs[0].shape[-1] == vocabulary)
     ]
 
 

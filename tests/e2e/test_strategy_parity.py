@@ -43,6 +43,7 @@ def parity_runs() -> list[tuple[str, Any, dict[str, Any]]]:
         runs.append((f"{model} ddp unclipped", "ddp", {**options, "clip": None}))
     runs += [(label, f"nnscaler_{recipe}", {"model": "gpt", **ACCEPTANCE, "precision": "bf16-mixed"}) for recipe, label in BF16.items()]
     runs += [("evoformer ddp", "ddp", {"model": "evoformer", **ACCEPTANCE}), ("evoformer 3f1b", "nnscaler_3f1b", {"model": "evoformer", **ACCEPTANCE})]
+    runs.append(("gpt interlaced", "nnscaler_interlaced", {"model": "gpt", **ACCEPTANCE}))
     return runs
 
 
@@ -157,3 +158,20 @@ def test_3f1b_trains_a_recycling_model_like_ddp(results: list[dict]) -> None:
         assert actual["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
         for key, value in expected["state"].items():
             torch.testing.assert_close(actual["state"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key, r=rank: f"rank {r} {k}: {m}")
+
+
+@pytest.mark.timeout(400)
+def test_the_interlaced_pipeline_trains_like_ddp_with_the_vocabulary_split_over_both_ranks(results: list[dict]) -> None:
+    """GPT's token embedding and LM head (vocabulary 128, hidden 32) are split by vocabulary rows over
+    both ranks, run by both between their 1F1B actions over the blocks; training equals DDP's."""
+    expected = results[0]["gpt ddp"]
+    for rank, by_label in enumerate(results):
+        run = by_label["gpt interlaced"]
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=1e-6, msg=lambda m, r=rank: f"interlaced rank {r} losses: {m}")
+        assert run["learning_rates"] == expected["learning_rates"]
+        assert run["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-5)
+        assert run["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
+        for key, value in expected["state"].items():
+            torch.testing.assert_close(run["state"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key, r=rank: f"interlaced rank {r} {k}: {m}")
+        for key in ("token_embedding.weight", "lm_head.weight"):
+            assert merged_ranges(run["boxes"][key], 0) == [(rank * 64, (rank + 1) * 64)], f"interlaced rank {rank} holds {key} {run['boxes'][key]}"

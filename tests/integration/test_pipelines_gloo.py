@@ -1,12 +1,13 @@
 """Pipeline schedules train on real gloo processes exactly like a single device (AdamW, 10 steps): every
-schedule on GPT, 1F1B on the Swin and mBART-style references, and 3F1B on the Evoformer reference
-with recycling (r = 3); all at 4 ranks, in one launch.
+schedule on GPT, 1F1B on the Swin and mBART-style references, the interlaced pipeline on mBART, and
+3F1B on the Evoformer reference with recycling (r = 3); all at 4 ranks, in one launch.
 
 4 ranks, not 2: a 4-stage pipeline has middle stages (receive and send, both ways) besides the first
 and the last, which are all a 2-stage one has. The plans themselves are proven at other rank counts
 by verify() at virtual ranks (tests/unit/plans/test_pipeline.py: gpipe and 1f1b at 2, interleaved and
-zb1 at 4, hybrid3d at 8 and 16, 3f1b at 8, 1f1b on Swin and mBART at 4), and 1f1b and 3f1b train at 2
-real ranks under the Trainer (tests/e2e/test_strategy_parity.py).
+zb1 at 4, hybrid3d at 8 and 16, 3f1b and interlaced at 8, 1f1b on Swin and mBART at 4), 1f1b, 3f1b and
+interlaced train at 2 real ranks under the Trainer (tests/e2e/test_strategy_parity.py), and interlaced on
+mBART at 2 real ranks too (tests/integration/test_recipes_gloo.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ PIPELINES = [
     ("hybrid3d 2x1x2", "hybrid3d", {"dp": 2, "tp": 1, "pp": 2}),
 ]
 """(label, catalog recipe, parameters) trained on GPT: every schedule over all ranks, and dp 2 x tp 1 x pp 2."""
-RUNS = {"gpt": PIPELINES, "swin": [("1f1b", "1f1b", {})], "mbart": [("1f1b", "1f1b", {})], "evoformer": [("3f1b", "3f1b", {})]}
+RUNS = {
+    "gpt": PIPELINES, "swin": [("1f1b", "1f1b", {})], "mbart": [("1f1b", "1f1b", {}), ("interlaced", "interlaced", {})],
+    "evoformer": [("3f1b", "3f1b", {})],
+}
 """Model name -> the pipelines it trains."""
 
 
@@ -60,3 +64,9 @@ def test_3f1b_matches_single_device_training_of_a_recycling_model(per_rank: list
     # The pair-bias LayerNorm's bias shifts every logit of a softmax row alike, so its true gradient is
     # zero and AdamW's updates are normalized rounding noise: measured up to 4.1e-5 after 10 steps.
     assert_trains_like_one_device([results["evoformer"] for results in per_rank], "3f1b", expected_losses, expected_parameters, loose={"msa_row_attention.norm_z.bias": 1e-4})
+
+
+@pytest.mark.timeout(900)
+def test_interlaced_matches_single_device_training_of_the_large_vocabulary_reference(per_rank: list[dict]) -> None:
+    expected_losses, expected_parameters = single_device_run("mbart")
+    assert_trains_like_one_device([results["mbart"] for results in per_rank], "interlaced", expected_losses, expected_parameters)

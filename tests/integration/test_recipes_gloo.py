@@ -1,5 +1,6 @@
 """Every recipe trains on real gloo processes exactly like a single device (AdamW, 10 steps): on GPT at
-4 ranks (hybrid is dp 2 x tp 2 there: real sub-groups) and on Swin at 2 ranks.
+4 ranks (hybrid is dp 2 x tp 2 there: real sub-groups) and on Swin at 2 ranks; in the 2-rank launch
+also the interlaced pipeline on the mBART-style reference (its 4-rank run is in test_pipelines_gloo.py).
 
 Each recipe runs on real processes at 2 and at 4 ranks, on each model at least once. The other two
 pairings are proven by verify() at virtual ranks (the same generated code, run in one process):
@@ -14,9 +15,11 @@ import pytest
 from lightning_nnscaler.materialize import AlphaBeta
 from lightning_nnscaler.launch import launch
 
-from workers import assert_trains_like_one_device, plan_recipes, single_device_run, train_planned  # noqa: E402 - tests/integration is on sys.path
+from workers import assert_trains_like_one_device, plan_recipes, single_device_run, train_planned_models  # noqa: E402 - tests/integration is on sys.path
 
 
+ALSO_AT = {4: [], 2: [("mbart", [("interlaced", "interlaced", {})])]}
+"""Pipelines trained in the same launch at that rank count (4 ranks: tests/integration/test_pipelines_gloo.py)."""
 COLLECTIVES = {"communication_cost": AlphaBeta(alpha=0.0, launch=0.0)}  # price by volume only: collectives win
 
 
@@ -47,6 +50,11 @@ def recipes_for(model_name: str, world_size: int) -> list[tuple[str, str, dict]]
 def test_recipes_match_single_device_training(model_name: str, world_size: int) -> None:
     expected_losses, expected_parameters = single_device_run(model_name)
     recipes = recipes_for(model_name, world_size)
-    per_rank = launch(train_planned, world_size, model_name, plan_recipes(model_name, world_size, recipes), timeout=800)  # planned once, here
+    planned = [(model_name, plan_recipes(model_name, world_size, recipes)), *[(other, plan_recipes(other, world_size, runs)) for other, runs in ALSO_AT[world_size]]]
+    per_rank = launch(train_planned_models, world_size, planned, timeout=800)  # planned once, here
     for label, _, _ in recipes:
-        assert_trains_like_one_device(per_rank, label, expected_losses, expected_parameters)
+        assert_trains_like_one_device([results[model_name] for results in per_rank], label, expected_losses, expected_parameters)
+    for other, runs in ALSO_AT[world_size]:
+        other_losses, other_parameters = single_device_run(other)
+        for label, _, _ in runs:
+            assert_trains_like_one_device([results[other] for results in per_rank], label, other_losses, other_parameters)

@@ -1,0 +1,83 @@
+"""The interlaced pipeline plan: vocabulary layers split over every pipeline rank, verified against one device."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import lightning_nnscaler as lnn
+from lightning_nnscaler.models.gpt import GPT, GPTConfig
+from lightning_nnscaler.models.mbart import MBart, MBartConfig
+
+
+def mbart() -> tuple[MBart, object]:
+    torch.manual_seed(0)
+    model = MBart(MBartConfig.small())
+    return model, model.example_batch(4, torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("world_size", [2, 8])
+def test_interlaced_mbart_verifies_against_one_device(world_size: int) -> None:
+    model, batch = mbart()
+    plan = lnn.parallelize(model, batch, "interlaced", world_size, step="training_step")
+    report = plan.verify()
+    assert report.parameters_checked == len(list(model.parameters()))
+
+
+def test_the_vocabulary_layers_are_split_over_every_rank_and_meet_the_pipeline_by_collectives() -> None:
+    model, batch = mbart()
+    plan = lnn.parallelize(model, batch, "interlaced", 4, step="training_step")
+    vocabulary = MBartConfig.small().vocab_size
+    for rank, source in enumerate(plan.sources):
+        slice_rows = (rank * vocabulary // 4, (rank + 1) * vocabulary // 4)
+        for key in ("token_embedding.weight", "lm_head.weight"):
+            boxes = re.findall(rf"'{re.escape(key)}', \(\(({slice_rows[0]}, {slice_rows[1]})\), \(0, 32\)\)", source)
+            assert boxes, f"rank {rank} should hold rows {slice_rows} of {key}"
+        assert "torch.ops.lnn.vocab_embedding.default" in source
+        assert "comm.all_reduce(" in source and "comm.broadcast(" in source and "comm.all_gather(" in source
+        shared_functions = re.findall(r"^def (stage(?:0|5)_microbatch\d+)\(.*?(?=^def |\Z)", source, re.M | re.S)
+        assert shared_functions
+        for body in re.findall(r"^def stage(?:0|5)_microbatch\d+\(.*?(?=^def |^SEGMENTS)", source, re.M | re.S):
+            assert "comm.send(" not in body and "comm.recv(" not in body  # shared stages: collectives only
+    explained = plan.explain()
+    assert "shared stages 0 and 5 (interlaced)" in explained
+    assert re.search(r"\| 0F0 +\| 0F0 +\| 0F0 +\| 0F0", explained)
+
+
+def test_interlaced_gpt_verifies_at_4_ranks() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.small())
+    plan = lnn.parallelize(model, model.example_batch(8, torch.Generator().manual_seed(0)), "interlaced", 4, step="training_step")
+    plan.verify()
+
+
+@pytest.mark.parametrize(
+    ("config", "params", "message"),
+    [
+        (GPTConfig(vocab_size=64, seq_len=16, hidden=32, layers=2, heads=4), {}, "no large-vocabulary embedding"),
+        (GPTConfig(vocab_size=130, seq_len=16, hidden=32, layers=2, heads=4), {}, r"pad the vocabulary to a multiple of 4"),
+        (GPTConfig.small(), {"shared_layers": "no_such_op"}, r"shared_layers names ops the graph does not have: \['no_such_op'\]"),
+        (GPTConfig.small(), {"shared_layers": "gelu"}, r"shared_layers \['gelu'\] are neither embedding lookups nor linears"),
+    ],
+    ids=["small vocabulary", "indivisible vocabulary", "unknown op", "not a vocabulary layer"],
+)
+def test_what_the_interlaced_plan_cannot_split_is_refused_naming_it(config: GPTConfig, params: dict, message: str) -> None:
+    torch.manual_seed(0)
+    model = GPT(config)
+    with pytest.raises(ValueError, match=message):
+        lnn.parallelize(model, model.example_batch(8, torch.Generator().manual_seed(0)), "interlaced", 4, step="training_step", **params)
+
+
+def test_shared_layers_can_be_named() -> None:
+    """Naming only the LM head keeps the token embedding in the first pipeline stage, whole."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.small())
+    batch = model.example_batch(8, torch.Generator().manual_seed(0))
+    graph = lnn.trace(model, batch, step="training_step")
+    head = [op.name for op in graph.ops if op.target == "aten.linear.default" and op.outputs[0].shape[-1] == 128][-1]  # the MLP's fc1 is as wide
+    plan = lnn.parallelize(model, batch, "interlaced", 2, step="training_step", shared_layers=head)
+    plan.verify()
+    assert "'token_embedding.weight', ((0, 128), (0, 32))" in plan.sources[0]
+    assert "vocab_embedding" not in plan.sources[0]
