@@ -19,7 +19,7 @@ from lightning_nnscaler.codegen.recompute import block_lines, recompute_blocks
 from lightning_nnscaler.codegen.segments import boundary_lines, emit_segments, is_boundary
 from lightning_nnscaler.ir.printer import format_argument
 from lightning_nnscaler.ir.randomness import RANDOM_LIKE_OP, RANDOM_OP
-from lightning_nnscaler.ir.vocab import VOCAB_EMBEDDING_OP
+from lightning_nnscaler.ir.vocab import VOCAB_TARGETS
 from lightning_nnscaler.materialize.program import Assemble, Collective, Compute, Program, RankOutput, RankProgram, Recv, Send
 
 HEADER = '''"""Rank {rank} of {world_size}: plan {plan_hash} ({label}).
@@ -44,7 +44,7 @@ RANDOM_IMPORT = (
     "from randomness.current_stream() (seed, step, draw), which the executor sets before each step"
 )
 
-VOCAB_IMPORT = "from lightning_nnscaler.ir import vocab  # torch.ops.lnn.vocab_embedding: a vocabulary slice's lookup, zeros for other ids"
+VOCAB_IMPORT = "from lightning_nnscaler.ir import vocab  # torch.ops.lnn.vocab_*: a vocabulary slice's lookup and loss parts (value parts over slices)"
 
 
 class CodegenError(ValueError):
@@ -87,7 +87,7 @@ def emit_rank(program: Program, rank: int, plan_hash: str, label: str, zero_stag
     targets = {action.op.target for action in rank_program.actions if isinstance(action, Compute)}
     if targets & set(RANDOM_TARGETS):
         lines.append(RANDOM_IMPORT)
-    if VOCAB_EMBEDDING_OP in targets:
+    if targets & set(VOCAB_TARGETS):
         lines.append(VOCAB_IMPORT)
     if program.pipelined:
         if schedule is None:

@@ -11,8 +11,10 @@ runs them as two shared stages (``schedules.interlaced``) around the pipeline st
   the pipeline stage that reads it finds it on its own rank;
 - stage ``p + 1``: the op writing the projection's input (the **hand-in**, e.g. the final norm) runs
   on the last pipeline rank, which broadcasts its output inside the stage; each **projection** (a
-  linear onto the vocabulary) is split by output rows; what follows (the **tail**: the loss) is
-  replicated on every rank.
+  linear onto the vocabulary) is split by output rows, and the split flows on through what follows
+  (the **tail**) where it can: a summed cross-entropy over the logits becomes row sums, per-slice
+  value parts and the loss from their sums (``ir.vocab``), so only two numbers per token cross the
+  ranks, never the logits; what the split does not reach is replicated on every rank.
 
 So the shared stages meet the pipeline in memory, on the neighbour stage's rank, and all their
 communication is collectives inside the stage, run by every rank at the same point of its list.
@@ -21,11 +23,14 @@ communication is collectives inside the stage, run by every rank at the same poi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import Op
-from lightning_nnscaler.ir.vocab import VOCAB_EMBEDDING_OP
+from lightning_nnscaler.ir.rules import annotate_op
+from lightning_nnscaler.ir.rules.common import argument
+from lightning_nnscaler.ir.tensor import PTensor
+from lightning_nnscaler.ir.vocab import LOSS_FROM_PARTS_OP, VOCAB_EMBEDDING_OP, VOCAB_LOSS_PARTS_OP
 from lightning_nnscaler.plans.megatron_tp import final_linears, is_linear
 
 LOOKUPS = ("aten.embedding.default", VOCAB_EMBEDDING_OP)
@@ -137,3 +142,41 @@ def _check_self_contained(graph: Graph, shared: SharedLayers, producer: dict[str
                         "Name the shared ops with shared_layers='op,op', or use 1f1b"
                     )
 
+
+
+def vocabulary_parallel_losses(graph: Graph, shared: SharedLayers) -> SharedLayers:
+    """Rewrite each summed cross-entropy of the tail into three ops a vocabulary split can flow through:
+    ``sum(logits, -1)`` (row sums), ``lnn.vocab_loss_parts`` and ``lnn.loss_from_parts`` (``ir.vocab``);
+    returns ``shared`` with them in the tail. A cross-entropy with class weights, label smoothing or
+    other than 2-d logits stays as it is (its logits are gathered whole)."""
+    tail = list(shared.tail)
+    for op in list(graph.ops):
+        if op.name not in shared.tail or op.target != "aten.cross_entropy_loss.default":
+            continue
+        logits, targets = op.tensor_inputs[:2]
+        plain = argument(op, 2, "weight", None) is None and argument(op, 5, "label_smoothing", 0.0) == 0.0
+        if not plain or argument(op, 3, "reduction", 1) != 2 or len(logits.shape) != 2 or logits.index != logits.tensor.full().index:
+            continue
+        rows, vocabulary = logits.shape
+        row_sums = PTensor(f"{op.name}_row_sums", (rows,), logits.tensor.dtype, "activation")
+        parts = PTensor(f"{op.name}_parts", (rows, 2), logits.tensor.dtype, "activation")
+        graph.tensors[row_sums.name], graph.tensors[parts.name] = row_sums, parts
+        replacements = [
+            Op(row_sums.name, "aten.sum.dim_IntList", (logits, [-1]), outputs=(row_sums.full(),)),
+            Op(parts.name, VOCAB_LOSS_PARTS_OP, (logits, row_sums.full(), targets, 0, vocabulary), outputs=(parts.full(),)),
+            Op(op.name, LOSS_FROM_PARTS_OP, (parts.full(), row_sums.full(), targets, vocabulary, argument(op, 4, "ignore_index", -100)), outputs=op.outputs),
+        ]
+        graph.replace_op(op, [replace(new, annotation=annotate_op(new), no_grad=op.no_grad) for new in replacements])
+        tail[tail.index(op.name):tail.index(op.name)] = [row_sums.name, parts.name]
+    return replace(shared, tail=tuple(tail))
+
+
+def vocabulary_choice(shared: SharedLayers):
+    """The output stage's split rule: projections by output rows (``n``); other ops follow the split that reaches them."""
+
+    def choose(op: Op, offered: list[str]) -> str | None:
+        if op.source_name in shared.projections:
+            return "n"
+        return offered[0] if offered else None
+
+    return choose

@@ -31,9 +31,9 @@ from lightning_nnscaler.plans.context import PlanContext, PipelinePlan
 from lightning_nnscaler.plans.dp import split_batch
 from lightning_nnscaler.plans.layout import DeviceGrid, RecipeLayout
 from lightning_nnscaler.plans.megatron_tp import megatron_choice, tensor_parallel
-from lightning_nnscaler.plans.propagate import replicate
+from lightning_nnscaler.plans.propagate import propagate, replicate
 from lightning_nnscaler.primitives import TransformError, op_assign, op_orders, op_trans
-from lightning_nnscaler.plans.interlaced import SharedLayers, find_shared_layers
+from lightning_nnscaler.plans.interlaced import SharedLayers, find_shared_layers, vocabulary_choice, vocabulary_parallel_losses
 from lightning_nnscaler.schedules import Schedule, gpipe, interlaced, interleaved, lower, one_f_one_b, three_f_one_b, validate, zb1
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1", "3f1b", "interlaced")
@@ -145,6 +145,7 @@ def pipeline(
     shared = None
     if schedule == "interlaced":
         shared = find_shared_layers(graph, _kinds(graph, list(graph.ops), {output.name: op for op in graph.ops for output in op.outputs}), shared_layers)
+        shared = vocabulary_parallel_losses(graph, shared)
         fixed = {name: 0 for name in shared.input_stage} | {name: pp + 1 for name in shared.output_stage}
         cut = cut_stages(graph, pp, fixed=fixed, first=1)
     else:
@@ -154,6 +155,7 @@ def pipeline(
     origins = [op.name for op in graph.ops]
     pieces = split_batch(graph, dp * microbatches)
     check_microbatches_split(pieces)
+    vocabulary_split: dict[tuple[int, int], list[str]] = {}  # (replica, microbatch) -> its output-stage ops to walk
     for index, name in enumerate(origins):
         for part, piece in enumerate(pieces[index]):
             replica, microbatch = divmod(part, microbatches)
@@ -161,13 +163,25 @@ def pipeline(
             segment = PROLOGUE if stage == PROLOGUE_STAGE else (stage, microbatch)
             placing = stage if stage != PROLOGUE_STAGE else cut.first_reader_stage(name)
             if order.is_shared(placing):
-                place_shared(graph, piece, shared, [_rank(grid, replica, column, 0) for column in range(pp)], segment)
+                if stage == pp + 1 and name not in shared.hand_ins:
+                    vocabulary_split.setdefault((replica, microbatch), []).append(piece.name)
+                else:
+                    place_shared(graph, piece, shared, [_rank(grid, replica, column, 0) for column in range(pp)], segment)
                 continue
             column = order.stage_ranks[placing]
             ranks = [_rank(grid, replica, column, position) for position in range(tp)]
             placed = op_assign(graph, piece, ranks[0], segment=segment)  # with tp > 1, split over the stage's ranks below
             if 0 <= stage < order.forward_only and not placed.no_grad:  # a recycling stage: no gradient flows through it
                 graph.replace_op(placed, [dataclasses.replace(placed, no_grad=True)])
+    for (replica, microbatch), names in vocabulary_split.items():
+        ranks = [_rank(grid, replica, column, 0) for column in range(pp)]
+        walk = propagate(graph, pp, ops=names, choose=vocabulary_choice(shared))
+        for split in walk.split:
+            for piece, rank in zip(split, ranks):
+                op_assign(graph, piece, rank, segment=(pp + 1, microbatch))
+        for whole in walk.whole:
+            for copy, rank in zip(replicate(graph, whole, pp), ranks):
+                op_assign(graph, copy, rank, segment=(pp + 1, microbatch))
     if tp > 1:
         _split_stages(graph, tp, grid, order, choose)
     ctx.pipeline = PipelinePlan(order, tuple(grid.coordinate(rank, "pp") for rank in range(ctx.world_size)))
@@ -176,12 +190,12 @@ def pipeline(
 
 def place_shared(graph: Graph, piece: Op, shared: SharedLayers, ranks: list[int], segment: tuple[int, int]) -> None:
     """Place a piece of a shared stage's op over the pipeline's ``ranks`` (``plans.interlaced``): lookups
-    split by vocabulary rows, projections by output rows, the hand-in on the last rank, the rest replicated."""
+    split by vocabulary rows, the hand-in on the last rank, the rest replicated. (The output stage's
+    other ops are split by a walk from the projections, in ``pipeline``.)"""
     name = piece.source_name
-    if name in shared.lookups or name in shared.projections:
-        dim = "v" if name in shared.lookups else "n"
+    if name in shared.lookups:
         try:
-            parts = op_trans(graph, piece, dim, len(ranks))
+            parts = op_trans(graph, piece, "v", len(ranks))
         except TransformError as error:
             raise ValueError(
                 f"interlaced: cannot split {name!r} by vocabulary over {len(ranks)} ranks ({error}); pad the vocabulary "

@@ -10,7 +10,7 @@ import torch
 from lightning_nnscaler.ir.rules.common import _names, _text, argument, exact_value_inputs
 from lightning_nnscaler.ir.rules.registry import register_annotation
 from lightning_nnscaler.ir.op import Op
-from lightning_nnscaler.ir.vocab import VOCAB_EMBEDDING_OP
+from lightning_nnscaler.ir.vocab import LOSS_FROM_PARTS_OP, VOCAB_EMBEDDING_OP, VOCAB_LOSS_PARTS_OP
 
 
 def _batch_names(count: int, taken: str = "kmn") -> list[str]:
@@ -110,6 +110,23 @@ def _layer_norm(op: Op) -> str:
     batch = _batch_names(len(x.shape) - normalized, taken="")
     features = [f"f{i}^" for i in range(normalized)]
     return _text([batch + features] + [features] * len(affine), [batch + features])
+
+
+def _loss_parts_columns(piece: Op) -> Op:
+    """A piece over some vocabulary columns adds up only those: its ``start`` is its first column."""
+    logits, row_sums, targets, _, vocabulary = piece.args
+    return replace(piece, args=(logits, row_sums, targets, piece.tensor_inputs[0].index.ranges[1][0], vocabulary))
+
+
+@register_annotation(VOCAB_LOSS_PARTS_OP, rewrite=_loss_parts_columns)
+def _vocab_loss_parts(op: Op) -> str:
+    # Columns are a sum: a slice of them gives value parts of both sums (ir.vocab).
+    return "n c+, n, n -> n 2"
+
+
+@register_annotation(LOSS_FROM_PARTS_OP)
+def _loss_from_parts(op: Op) -> str:
+    return "n+ 2, n+, n+ -> ()"
 
 
 @register_annotation("aten.cross_entropy_loss.default", "aten.nll_loss_nd.default", "aten.nll_loss.default")

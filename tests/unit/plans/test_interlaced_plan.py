@@ -26,7 +26,7 @@ def test_interlaced_mbart_verifies_against_one_device(world_size: int) -> None:
     assert report.parameters_checked == len(list(model.parameters()))
 
 
-def test_the_vocabulary_layers_are_split_over_every_rank_and_meet_the_pipeline_by_collectives() -> None:
+def test_the_vocabulary_layers_and_the_loss_are_split_over_every_rank_and_meet_the_pipeline_by_collectives() -> None:
     model, batch = mbart()
     plan = lnn.parallelize(model, batch, "interlaced", 4, step="training_step")
     vocabulary = MBartConfig.small().vocab_size
@@ -35,8 +35,9 @@ def test_the_vocabulary_layers_are_split_over_every_rank_and_meet_the_pipeline_b
         for key in ("token_embedding.weight", "lm_head.weight"):
             boxes = re.findall(rf"'{re.escape(key)}', \(\(({slice_rows[0]}, {slice_rows[1]})\), \(0, 32\)\)", source)
             assert boxes, f"rank {rank} should hold rows {slice_rows} of {key}"
-        assert "torch.ops.lnn.vocab_embedding.default" in source
-        assert "comm.all_reduce(" in source and "comm.broadcast(" in source and "comm.all_gather(" in source
+        assert "torch.ops.lnn.vocab_embedding.default" in source and "torch.ops.lnn.vocab_loss_parts.default" in source
+        assert "comm.all_reduce(" in source and "comm.broadcast(" in source
+        assert "comm.all_gather(" not in source  # the logits never cross ranks: the loss adds up two numbers per token
         shared_functions = re.findall(r"^def (stage(?:0|5)_microbatch\d+)\(.*?(?=^def |\Z)", source, re.M | re.S)
         assert shared_functions
         for body in re.findall(r"^def stage(?:0|5)_microbatch\d+\(.*?(?=^def |^SEGMENTS)", source, re.M | re.S):
