@@ -95,6 +95,12 @@ def explain_rank(
     return row
 
 
+def memory_rows(program: Program, parameters: Sequence[Any], pipeline: PipelinePlan | None = None, *, zero_stage: int = 0) -> list[dict[str, int]]:
+    """Every rank's ``explain_rank`` row; ``parameters`` are the graph's parameter tensors (their dtypes give the bytes)."""
+    element_bytes = {tensor.name: dtype_bytes(tensor.dtype) for tensor in parameters}
+    return [explain_rank(program, rank, pipeline, zero_stage=zero_stage, element_bytes=element_bytes) for rank in range(program.world_size)]
+
+
 def _step_sum_bytes(program: Program) -> int:
     """Bytes a rank sends summing the loss (and the logged values' sums) over the world after the step."""
     outputs = {output.name: output.piece.tensor for each in program.ranks for output in each.outputs}

@@ -20,11 +20,10 @@ from lightning_nnscaler.capture.step_values import StepValues
 from lightning_nnscaler.capture.trace import TracedStep, trace_step
 from lightning_nnscaler.codegen import emit_rank, module_from_source, save_sources
 from lightning_nnscaler.codegen.load import digest
-from lightning_nnscaler.explain import explain_rank, explain_table
+from lightning_nnscaler.explain import explain_table, memory_rows
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import PROLOGUE
 from lightning_nnscaler.ir.randomness import current_stream
-from lightning_nnscaler.ir.tensor import dtype_bytes
 from lightning_nnscaler.ir.validate import PlanError
 from lightning_nnscaler.logged_values import LoggedValues, plan_logged_values
 from lightning_nnscaler.materialize.dependencies import materialize
@@ -76,6 +75,8 @@ class Plan:
     """The plain attributes the traced training_step read; ``check(module)`` before each step (none for forward)."""
     logged: LoggedValues | None = None
     """What the traced training_step logs and how each rank computes its replica's values (None for forward)."""
+    search: Any = None
+    """For ``recipe="auto"``: the search that chose this plan (``sim.search.SearchResult``: winner and ranked table)."""
 
     @property
     def data_layout(self) -> RecipeLayout:
@@ -155,11 +156,7 @@ class Plan:
         """Per rank, ``explain_rank``: bytes of parameters, gradients, optimizer state (Adam assumed),
         activations and ZeRO's transient full-size tensors, and bytes sent per step (all, and the
         gradient reduction's part). ``explain()``, ``draw()`` and the strategy's logged plan all show these rows."""
-        element_bytes = {tensor.name: dtype_bytes(tensor.dtype) for tensor in self.graph.parameters}
-        return [
-            explain_rank(self.program, rank, self.pipeline, zero_stage=self.zero_stage, element_bytes=element_bytes)
-            for rank in range(self.world_size)
-        ]
+        return memory_rows(self.program, self.graph.parameters, self.pipeline, zero_stage=self.zero_stage)
 
     def draw(self, path: str | os.PathLike[str]) -> Path:
         """Write the plan picture to ``path`` (PNG): per-rank memory bars and the per-rank timeline of one
@@ -178,6 +175,8 @@ class Plan:
             f", ZeRO stage {self.zero_stage}" if self.zero_stage else ""
         )
         lines = [explain_table(title, self.memory_rows())]
+        if self.search is not None:
+            lines += ["", self.search.summary(), self.search.table()]
         if self.pipeline is not None:
             lines += ["", explain_pipeline(self.pipeline)]
         if spec is not None:
@@ -253,7 +252,9 @@ def parallelize(
     with stage(f"planning {len(graph.ops)} ops with recipe {recipe} for {world_size} ranks"):
         with recording_refusals() as refusals:  # ops the recipe meant to split but could not
             context = apply_recipe(planned, recipe, world_size, **params)
-        model_parallel = world_size // context.layout.data_parallel if context.layout is not None else 1
+        # a searched plan (recipe auto) is the winner's: its own grid says how many ranks share a replica
+        split_layout = context.search.layout if context.search is not None else context.layout
+        model_parallel = world_size // split_layout.data_parallel if split_layout is not None else 1
         check_coverage(planned, graph, world_size, recipe=recipe, allow_partial=allow_partial, refusals=refusals, model_parallel=model_parallel)
     with stage(f"materializing {len(planned.ops)} pieces and generating {world_size} modules"):
         plan = build_plan(
@@ -262,6 +263,7 @@ def parallelize(
         )
     plan.step_values = step_values
     plan.logged = logged
+    plan.search = context.search
     return plan
 
 

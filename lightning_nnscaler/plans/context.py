@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_nnscaler.plans.layout import RecipeLayout
 from lightning_nnscaler.schedules import Action, Schedule
@@ -39,6 +40,10 @@ class PlanContext:
 
     pipeline: PipelinePlan | None = None
     """Set by pipelined recipes: the schedule that orders each rank's segments."""
+
+    search: Any = None
+    """Set by the ``auto`` recipe: the search that chose the plan (``sim.search.SearchResult``: the ranked
+    candidates and the winner, whose own layout the coverage check uses)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:

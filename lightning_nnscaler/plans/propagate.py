@@ -62,10 +62,12 @@ _RECORDERS: ContextVar[tuple[list[Refusal], ...]] = ContextVar("lightning_nnscal
 
 
 @contextmanager
-def recording_refusals() -> Iterator[list[Refusal]]:
-    """Collect the refusals of every walk run inside the block (nested blocks each get them all)."""
+def recording_refusals(*, isolated: bool = False) -> Iterator[list[Refusal]]:
+    """Collect the refusals of every walk run inside the block (nested blocks each get them all, unless the
+    inner one is ``isolated``: then the enclosing blocks see none of its refusals, as for a plan search's
+    candidates, each checked on its own)."""
     refusals: list[Refusal] = []
-    token = _RECORDERS.set(_RECORDERS.get() + (refusals,))
+    token = _RECORDERS.set((() if isolated else _RECORDERS.get()) + (refusals,))
     try:
         yield refusals
     finally:

@@ -26,26 +26,29 @@ class TransformerShape:
     hidden: int = 12288
     seq_len: int = 2048
     vocab: int = 51200
+    heads: int = 96
     microbatch_size: int = 1
     global_batch: int = 1536
     dtype: str = "bfloat16"
     dtype_bytes: int = 2
+    embeddings: bool = False
+    """Count the token embedding (first stage: ``vocab·h`` parameters) and the untied LM head (last stage:
+    ``vocab·h`` parameters, ``2·b·s·h·vocab`` forward FLOPs and the ``b·s·vocab`` logits kept, split over tp by
+    vocab as Megatron does); off, only the blocks count."""
+
+    def stage_parameters(self, stage: int, pp: int) -> int:
+        """Parameters of pipeline stage ``stage`` of ``pp`` (before the tp split): ``12·h²`` per block, and the
+        embedding / head rows when ``embeddings``."""
+        table = self.vocab * self.hidden if self.embeddings else 0
+        return self.layers // pp * 12 * self.hidden**2 + table * ((stage == 0) + (stage == pp - 1))
 
 
 def transformer_task_lists(shape: TransformerShape, spec: HardwareSpec, *, dp: int, tp: int, pp: int) -> list[list[Task]]:
     """Every rank's tasks for one 1F1B step of ``shape`` over ``dp × tp × pp`` ranks on ``spec``."""
     microbatches = shape.global_batch // (dp * shape.microbatch_size)
-    layers = shape.layers // pp
-    b, s, h = shape.microbatch_size, shape.seq_len, shape.hidden
-    flops = layers * (24 * b * s * h * h + 4 * b * s * s * h) / tp
-    activation = b * s * h * shape.dtype_bytes
-    weight_bytes = layers * 12 * h * h * shape.dtype_bytes / tp
-    forward = roofline_seconds(spec, flops, 2 * weight_bytes, shape.dtype) + layers * 10 * spec.op_overhead_s
-    kept = layers * 34 * b * s * h * shape.dtype_bytes // tp  # Korthikanti et al. 2022, eq. 2 without the attention scores
     schedule = lower(one_f_one_b(pp, microbatches))
-    forward_task = Compute(forward, "forward", activation_bytes=kept)
-    backward_task = Compute(2 * forward, "backward", activation_bytes=-kept)
-    optimizer = Compute(7 * 2 * weight_bytes / spec.memory_bandwidth, "optimizer")  # fp32 master weights and moments
+    stage_tasks = [_stage_tasks(shape, spec, stage, tp=tp, pp=pp) for stage in range(pp)]
+    activation = shape.microbatch_size * shape.seq_len * shape.hidden * shape.dtype_bytes
     keys = [[_key(action) for action in column] for column in schedule.actions]
     lists: list[list[Task]] = []
     for rank in range(dp * tp * pp):
@@ -53,7 +56,8 @@ def transformer_task_lists(shape: TransformerShape, spec: HardwareSpec, *, dp: i
         stage, piece = divmod(rest, tp)
         tp_group = tuple(range((replica * pp + stage) * tp, (replica * pp + stage + 1) * tp))
         dp_group = tuple((other * pp + stage) * tp + piece for other in range(dp))
-        tensor_parallel = Collective("all_reduce", tp_group, 2 * layers * activation)
+        forward_task, backward_task, optimizer, weight_bytes = stage_tasks[stage]
+        tensor_parallel = Collective("all_reduce", tp_group, 2 * (shape.layers // pp) * activation)
         # a rank's list is its column's schedule with each action's tasks; the few distinct tasks are shared objects
         tasks_of = {"F": (forward_task, tensor_parallel), "B": (backward_task, tensor_parallel)}
         for column in {stage - 1, stage + 1} & set(range(pp)):
@@ -63,6 +67,20 @@ def transformer_task_lists(shape: TransformerShape, spec: HardwareSpec, *, dp: i
         tasks += [Collective("all_reduce", dp_group, int(weight_bytes), "gradients", blocking=False), WaitCollectives(), optimizer]
         lists.append(tasks)
     return lists
+
+
+def _stage_tasks(shape: TransformerShape, spec: HardwareSpec, stage: int, *, tp: int, pp: int) -> tuple[Compute, Compute, Compute, float]:
+    """Stage ``stage``'s forward, backward and optimizer tasks on one of its ``tp`` ranks, and its weight bytes."""
+    layers = shape.layers // pp
+    b, s, h = shape.microbatch_size, shape.seq_len, shape.hidden
+    head = shape.embeddings and stage == pp - 1
+    flops = (layers * (24 * b * s * h * h + 4 * b * s * s * h) + (2 * b * s * h * shape.vocab if head else 0)) / tp
+    weight_bytes = shape.stage_parameters(stage, pp) * shape.dtype_bytes / tp
+    forward = roofline_seconds(spec, flops, 2 * weight_bytes, shape.dtype) + layers * 10 * spec.op_overhead_s
+    kept = layers * 34 * b * s * h * shape.dtype_bytes // tp  # Korthikanti et al. 2022, eq. 2 without the attention scores
+    kept += b * s * shape.vocab * shape.dtype_bytes // tp if head else 0  # the logits, for the softmax's backward
+    optimizer = Compute(7 * 2 * weight_bytes / spec.memory_bandwidth, "optimizer")  # fp32 master weights and moments
+    return Compute(forward, "forward", activation_bytes=kept), Compute(2 * forward, "backward", activation_bytes=-kept), optimizer, weight_bytes
 
 
 def _key(action) -> object:

@@ -41,7 +41,7 @@ def test_every_catalog_recipe_has_a_registered_name() -> None:
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        ({"recipe": "megatron"}, r"unknown recipe 'megatron'.*catalog.*has: 1f1b, 3f1b, coshard, dp"),
+        ({"recipe": "megatron"}, r"unknown recipe 'megatron'.*catalog.*has: 1f1b, 3f1b, auto, coshard, dp"),
         ({"recipe": "tp", "degree": "2"}, r"parameter 'degree' expects int, got str.*NnScalerStrategy\(recipe='tp', degree=<int>\)"),
         ({"recipe": "dp", "shards": 2}, r"unknown parameter 'shards'"),
         ({"recipe": "hybrid", "dp": 2}, r"parameter 'tp' \(int\) is required"),

@@ -7,7 +7,7 @@ import torch
 import lightning_nnscaler as lnn
 from lightning_nnscaler.materialize import AlphaBeta
 from lightning_nnscaler.models.gpt import GPT, GPTConfig
-from lightning_nnscaler.parallelize import explain_rank
+from lightning_nnscaler.explain import explain_rank
 
 
 def test_explain_reports_sharded_parameters_and_communication() -> None:

@@ -19,7 +19,7 @@ from lightning_nnscaler.plans.context import PlanContext
 from lightning_nnscaler.plans.dp import dp
 from lightning_nnscaler.plans.layout import DeviceGrid, RecipeLayout, data_parallel_layout
 
-RECIPES = ["1f1b", "3f1b", "coshard", "dp", "gpipe", "hybrid", "hybrid3d", "interlaced", "interleaved", "sp", "tp", "zb1", "zero1", "zero3"]
+RECIPES = ["1f1b", "3f1b", "auto", "coshard", "dp", "gpipe", "hybrid", "hybrid3d", "interlaced", "interleaved", "sp", "tp", "zb1", "zero1", "zero3"]
 
 
 def test_catalog_lists_every_built_in_recipe() -> None:
@@ -29,7 +29,9 @@ def test_catalog_lists_every_built_in_recipe() -> None:
 @pytest.mark.parametrize("name", RECIPES)
 def test_parameters_are_the_functions_keyword_parameters(name) -> None:
     spec = load_recipe(name)
-    assert spec.summary and spec.constraints and spec.function.__module__.startswith("lightning_nnscaler.plans.")
+    # auto drives the simulator, which reads plans: it lives above them, in sim (tests/unit/test_layering.py)
+    home = "lightning_nnscaler.sim." if name == "auto" else "lightning_nnscaler.plans."
+    assert spec.summary and spec.constraints and spec.function.__module__.startswith(home)
     assert list(inspect.signature(spec.function).parameters)[:2] == ["graph", "ctx"]
     keywords = keyword_parameters(spec.function)
     assert list(keywords) == list(spec.parameters)
@@ -67,7 +69,7 @@ def test_unknown_and_missing_parameters_are_named(gpt) -> None:
 
 
 def test_unknown_recipe_lists_the_catalog(gpt) -> None:
-    with pytest.raises(RecipeError, match=r"unknown recipe 'megatron'; the catalog has: 1f1b, 3f1b, coshard, dp, gpipe, hybrid, (\w+, )*zero1, zero3.*register_recipe"):
+    with pytest.raises(RecipeError, match=r"unknown recipe 'megatron'; the catalog has: 1f1b, 3f1b, auto, coshard, dp, gpipe, hybrid, (\w+, )*zero1, zero3.*register_recipe"):
         apply_recipe(gpt.graph.copy(), "megatron", 2)
 
 

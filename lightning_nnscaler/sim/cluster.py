@@ -1,0 +1,111 @@
+"""Plan search for a hypothetical cluster ("plan for 32 A100s from a laptop"): dp × tp × pp 1F1B plans of a
+transformer given by its shape (``sim.analytic``), simulated on a spec file's cluster; no graph is traced and
+no process started, so paper-scale models search in seconds.
+
+Memory per rank: mixed-precision Adam keeps 16 bytes per parameter it holds (bf16 weights and gradients, fp32
+master weights and two moments; Rajbhandari et al. 2020, §3.1), plus the simulated peak of kept activations.
+The reference models' paper configurations map to shapes by ``paper_shapes`` (approximations stated there).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from lightning_nnscaler.explain import human_bytes
+from lightning_nnscaler.sim.analytic import TransformerShape, transformer_task_lists
+from lightning_nnscaler.sim.results import Machine
+from lightning_nnscaler.sim.costs import CommModel
+from lightning_nnscaler.sim.search import divisors, memory_limit
+from lightning_nnscaler.sim.simulate import simulate
+from lightning_nnscaler.sim.specs import HardwareSpec, load_spec
+
+BYTES_PER_PARAMETER = 16  # bf16 weight + bf16 gradient + fp32 master weight, momentum, variance
+MICROBATCH_SIZES = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """A dp × tp × pp 1F1B plan (rank = (replica · pp + stage) · tp + piece, as ``hybrid3d``)."""
+
+    dp: int
+    tp: int
+    pp: int
+    microbatch_size: int
+
+    def __str__(self) -> str:
+        return f"dp {self.dp} × tp {self.tp} × pp {self.pp}, microbatch {self.microbatch_size}"
+
+
+@dataclass
+class ClusterOutcome:
+    """A plan's simulated step and fullest rank, or why it does not fit."""
+
+    plan: ClusterPlan
+    step_seconds: float
+    peak_bytes: float
+    reason: str = ""
+
+
+def paper_shapes(global_batch: int = 128) -> dict[str, TransformerShape]:
+    """The reference models' paper configurations as transformer shapes, ``global_batch`` samples per step:
+
+    - GPT-3 6.7B (``GPTConfig.paper()``): 32 blocks, hidden 4096, 2048 tokens, vocab 50257, 32 heads.
+    - mBART-large (``MBartConfig.paper()``): its 12 encoder and 12 decoder blocks as 24 blocks of hidden 1024
+      over 1024 tokens (the decoder's cross-attention, a third of a decoder block's FLOPs, not counted), vocab
+      250027 with an untied head, 16 heads.
+    - Swin (``SwinConfig.paper()``): its 48 blocks as 48 blocks of the third stage's shape (hidden 2048, 14²
+      = 196 tokens): each patch merging quarters the tokens and doubles the width, so every block has the same
+      matmul FLOPs; earlier stages' activations (up to 4× larger) and the windowed attention are approximated.
+    """
+    common = {"global_batch": global_batch, "embeddings": True}
+    return {
+        "GPT-3 6.7B": TransformerShape(layers=32, hidden=4096, seq_len=2048, vocab=50257, heads=32, **common),
+        "mBART-large (vocab 250k)": TransformerShape(layers=24, hidden=1024, seq_len=1024, vocab=250027, heads=16, **common),
+        "Swin (48 blocks, width 512-4096)": TransformerShape(layers=48, hidden=2048, seq_len=196, vocab=1000, heads=64, **common),
+    }
+
+
+def evaluate(shape: TransformerShape, spec: HardwareSpec, plan: ClusterPlan, limit: float) -> ClusterOutcome:
+    """Simulate ``plan`` of ``shape`` on ``spec``; over ``limit`` bytes on some rank is a reason."""
+    sized = replace(shape, microbatch_size=plan.microbatch_size)
+    lists = transformer_task_lists(sized, spec, dp=plan.dp, tp=plan.tp, pp=plan.pp)
+    result = simulate(lists, CommModel(spec), Machine(spec.ranks_per_node))
+    peaks = [
+        BYTES_PER_PARAMETER * sized.stage_parameters(rank // plan.tp % plan.pp, plan.pp) / plan.tp + stats.peak_activation_bytes
+        for rank, stats in enumerate(result.ranks)
+    ]
+    peak = max(peaks)
+    reason = f"peak {human_bytes(peak)} is over the {human_bytes(limit)} limit" if peak > limit else ""
+    return ClusterOutcome(plan, result.step_seconds, peak, reason)
+
+
+def cluster_plans(shape: TransformerShape, world_size: int, ranks_per_node: int) -> list[ClusterPlan]:
+    """dp × tp × pp over ``world_size`` ranks: tp divides the heads and stays in a node, pp divides the blocks,
+    dp and the microbatch size divide the batch."""
+    found = []
+    for tp in [value for value in divisors(world_size) if value <= ranks_per_node and shape.heads % value == 0]:
+        for pp in [value for value in divisors(world_size // tp) if shape.layers % value == 0]:
+            dp = world_size // (tp * pp)
+            for size in MICROBATCH_SIZES:
+                if shape.global_batch % (dp * size) == 0:
+                    found.append(ClusterPlan(dp, tp, pp, size))
+    return found
+
+
+def search_cluster(
+    shape: TransformerShape, spec: HardwareSpec | str, world_size: int, *, memory_limit_gb: float | None = None,
+) -> tuple[list[ClusterOutcome], float]:
+    """Every ``cluster_plans`` candidate simulated: those that fit fastest first, then the others; and the seconds taken."""
+    start = time.perf_counter()
+    hardware = load_spec(spec) if isinstance(spec, str) else spec
+    limit = memory_limit(hardware, memory_limit_gb)
+    outcomes = [evaluate(shape, hardware, plan, limit) for plan in cluster_plans(shape, world_size, hardware.ranks_per_node)]
+    outcomes.sort(key=lambda outcome: (bool(outcome.reason), outcome.step_seconds))
+    return outcomes, time.perf_counter() - start
+
+
+def megatron_baseline(shape: TransformerShape, spec: HardwareSpec | str, world_size: int, *, tp: int = 8, pp: int = 4) -> ClusterOutcome:
+    """The Megatron-style plan: ``tp`` within a node × ``pp`` stages (dp the rest), microbatch 1, whatever its memory."""
+    hardware = load_spec(spec) if isinstance(spec, str) else spec
+    return evaluate(shape, hardware, ClusterPlan(world_size // (tp * pp), tp, pp, 1), float("inf"))
