@@ -3,7 +3,7 @@ traced graph and predicted by the simulator; the fastest that fits the memory li
 
 A candidate is a recipe and its parameters (``candidates``): data parallelism (dp, ZeRO 1 and 3), tensor
 parallelism at each degree (tp, hybrid dp × tp, sp), co-shard (shards, recompute), the pipelines (gpipe, 1f1b,
-zb1, interleaved, 3f1b: stages, microbatches, virtual stages) and dp × tp × pp (hybrid3d). Each is planned on a
+zb1, interleaved, 3f1b, interlaced: stages, microbatches, virtual stages) and dp × tp × pp (hybrid3d). Each is planned on a
 copy of the graph, checked as ``parallelize`` checks it (the recipe's own ``ValueError``, the coverage check),
 materialized, and simulated with ``predict`` on the spec's roofline (deterministic: every rank of a run
 searches alike and gets the same plan). A candidate that cannot be built, or whose predicted peak exceeds the
@@ -29,9 +29,9 @@ from lightning_nnscaler.plans.propagate import recording_refusals
 from lightning_nnscaler.sim.predict import DeviceModel, predict
 from lightning_nnscaler.sim.specs import HardwareSpec, load_spec
 
-FAMILIES = ("dp", "zero1", "zero3", "tp", "sp", "hybrid", "coshard", "gpipe", "1f1b", "zb1", "interleaved", "3f1b", "hybrid3d")
+FAMILIES = ("dp", "zero1", "zero3", "tp", "sp", "hybrid", "coshard", "gpipe", "1f1b", "zb1", "interleaved", "3f1b", "interlaced", "hybrid3d")
 """The catalog recipes the search explores, cheapest to plan first (ties in predicted time keep this order)."""
-PIPELINES = ("gpipe", "1f1b", "zb1", "interleaved", "3f1b")
+PIPELINES = ("gpipe", "1f1b", "zb1", "interleaved", "3f1b", "interlaced")
 MICROBATCH_CHOICES = 3  # per stage count: the smallest divisors of the replica's batch that are >= stages
 
 
@@ -216,7 +216,7 @@ def candidates(world_size: int, batch_rows: int, families: Sequence[str] = FAMIL
             add("coshard", shards=shards, recompute=recompute)
     for stages in stage_counts:
         replicas = world_size // stages
-        for recipe in ("gpipe", "1f1b", "zb1"):
+        for recipe in ("gpipe", "1f1b", "zb1", "interlaced"):
             for count in microbatches(replicas, stages):
                 add(recipe, stages=stages, microbatches=count)
         for count in microbatches(replicas, stages, multiple_of=stages):
