@@ -120,14 +120,14 @@ def rank_main(rank: int, world_size: int, payload: Payload) -> dict[str, Any]:
 
 def held_bytes(executor: RankExecutor, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the distinct storages a rank holds between steps: parameter pieces (ZeRO chunks), gradients (the
-    reducer's two bucket buffers under stage 0), the optimizer's state."""
+    reducer's bucket buffer under stage 0, of which replicated gradients are views), the optimizer's state."""
     tensors = [shard.tensor for shard in executor.shards.values()]
     tensors += [tensor.grad for tensor in [*tensors, *executor.parameters()] if isinstance(tensor, torch.nn.Parameter) and tensor.grad is not None]
     tensors += executor.parameters()
     tensors += [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor) and value.dim()]
     for queue in executor.reducer._queues.values():  # the runtime's buckets: no public accessor, read for the measurement only
         for bucket in queue.buckets:
-            tensors += list(bucket.buffers)
+            tensors.append(bucket.buffer)
     storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in tensors}
     return sum(nbytes for pointer, nbytes in storages.items() if pointer)
 

@@ -42,7 +42,7 @@ def recipes_for(model_name: str, world_size: int) -> list[tuple[str, str, dict]]
         ("sp+collectives", "sp", {**COLLECTIVES, **partial}),
         ("coshard+collectives", "coshard", {"shards": 2, **COLLECTIVES, **coshard_partial}),
         ("hybrid", "hybrid", {"dp": 2, "tp": world_size // 2}),
-        # auto applies one of the plans above (its search is unit-tested in tests/unit/sim/test_search.py); the
+        # auto applies one of the plans above (its search is unit-tested in tests/unit/sim/test_plan_search.py); the
         # families stay those this test trains, so the winner runs here as it runs alone, planned in seconds
         ("auto", "auto", {"recipes": "dp,zero1,zero3,tp,hybrid"}),
     ]
