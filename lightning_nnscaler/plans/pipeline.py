@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,26 +45,53 @@ _ATTENTION = {"aten.scaled_dot_product_attention.default", "aten._scaled_dot_pro
 PROLOGUE_STAGE = PROLOGUE[0]
 
 
-def gpipe_plan(graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None) -> None:
+def gpipe_plan(
+    graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None, layers_per_stage: str | None = None,
+) -> None:
     """GPipe (Huang et al. 2019): all forwards, then all backwards; ``stages`` ranks (default: all)."""
-    pipeline(graph, ctx, schedule="gpipe", stages=stages, microbatches=microbatches)
+    pipeline(graph, ctx, schedule="gpipe", stages=stages, microbatches=microbatches, layers_per_stage=layer_counts(layers_per_stage))
 
 
-def one_f_one_b_plan(graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None) -> None:
+def one_f_one_b_plan(
+    graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None, layers_per_stage: str | None = None,
+) -> None:
     """1F1B (PipeDream-Flush): warm-up forwards, then one forward one backward; at most p microbatches stashed."""
-    pipeline(graph, ctx, schedule="1f1b", stages=stages, microbatches=microbatches)
+    pipeline(graph, ctx, schedule="1f1b", stages=stages, microbatches=microbatches, layers_per_stage=layer_counts(layers_per_stage))
 
 
 def interleaved_plan(
     graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None, virtual_stages: int = 2,
+    layers_per_stage: str | None = None,
 ) -> None:
     """Interleaved 1F1B (Megatron): ``virtual_stages`` model chunks per rank; the bubble shrinks by that factor."""
-    pipeline(graph, ctx, schedule="interleaved", stages=stages, microbatches=microbatches, virtual_stages=virtual_stages)
+    pipeline(
+        graph, ctx, schedule="interleaved", stages=stages, microbatches=microbatches, virtual_stages=virtual_stages,
+        layers_per_stage=layer_counts(layers_per_stage),
+    )
 
 
-def zb1_plan(graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None) -> None:
+def zb1_plan(
+    graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None, layers_per_stage: str | None = None,
+) -> None:
     """Zero-bubble ZB-H1 (Qi et al. 2024): backward split into input gradients (B) and weight gradients (W)."""
-    pipeline(graph, ctx, schedule="zb1", stages=stages, microbatches=microbatches)
+    pipeline(graph, ctx, schedule="zb1", stages=stages, microbatches=microbatches, layers_per_stage=layer_counts(layers_per_stage))
+
+
+def layer_counts(text: str | None) -> list[int] | None:
+    """``"3,3,2"`` -> ``[3, 3, 2]`` (None stays None).
+
+    Raises:
+        ValueError: naming ``layers_per_stage`` when an entry is not a non-negative integer.
+    """
+    if text is None:
+        return None
+    try:
+        counts = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        raise ValueError(f"layers_per_stage must be comma-separated counts such as '3,3,2', got {text!r}") from None
+    if any(count < 0 for count in counts) or not any(counts):
+        raise ValueError(f"layers_per_stage counts must be >= 0 and not all 0, got {text!r}")
+    return counts
 
 
 def three_f_one_b_plan(graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None) -> None:
@@ -105,6 +133,7 @@ def hybrid3d_layout(world_size: int, params: dict[str, Any]) -> RecipeLayout:
 def pipeline(
     graph: Graph, ctx: PlanContext, *, schedule: str, stages: int | None = None, microbatches: int | None = None,
     virtual_stages: int = 1, dp: int | None = None, tp: int = 1, shared_layers: Sequence[str] | None = None,
+    layers_per_stage: Sequence[int] | None = None,
 ) -> None:
     """Plan ``graph`` as a pipeline (see the module docstring); sets ``ctx.pipeline``.
 
@@ -118,6 +147,8 @@ def pipeline(
         tp: Tensor-parallel ranks per stage.
         shared_layers: Interlaced only: the op names of the layers split by vocabulary over all the
             pipeline's ranks (default: found from the graph, see ``plans.interlaced``).
+        layers_per_stage: How many of the model's layers each stage (each chunk, for interleaved:
+            ``stages × virtual_stages`` counts) holds, instead of cuts balanced by cost (see ``model_layers``).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -125,6 +156,8 @@ def pipeline(
         virtual_stages = count_recycles(graph)
     elif schedule != "interleaved" and virtual_stages != 1:
         raise ValueError(f"pipeline: virtual_stages={virtual_stages} needs schedule='interleaved'")
+    if layers_per_stage is not None and schedule in ("3f1b", "interlaced"):
+        raise ValueError(f"{schedule}: layers_per_stage is not supported (its stages are cut by cost)")
     if schedule == "interlaced" and tp != 1:
         raise ValueError(f"interlaced: tp={tp} is not supported (its shared layers are already split over every pipeline rank)")
     pp = stages or ctx.world_size // ((dp or 1) * tp)
@@ -149,7 +182,7 @@ def pipeline(
         fixed = {name: 0 for name in shared.input_stage} | {name: pp + 1 for name in shared.output_stage}
         cut = cut_stages(graph, pp, fixed=fixed, first=1)
     else:
-        cut = cut_stages(graph, pp * virtual_stages, forward_only=order.forward_only)
+        cut = cut_stages(graph, pp * virtual_stages, forward_only=order.forward_only, layers_per_stage=layers_per_stage)
     grid = DeviceGrid.of(dp=dp, pp=pp, tp=tp)
     choose = megatron_choice(graph) if tp > 1 else None
     origins = [op.name for op in graph.ops]
@@ -315,8 +348,14 @@ class StageCut:
         return min(stages, default=0)
 
 
-def cut_stages(graph: Graph, stages: int, forward_only: int = 0, fixed: dict[str, int] | None = None, first: int = 0) -> StageCut:
+def cut_stages(
+    graph: Graph, stages: int, forward_only: int = 0, fixed: dict[str, int] | None = None, first: int = 0,
+    layers_per_stage: Sequence[int] | None = None,
+) -> StageCut:
     """Each op of ``graph`` (not yet split) -> its stage (``PROLOGUE_STAGE`` for the prologue).
+
+    With ``layers_per_stage``, stage ``s`` holds the next ``layers_per_stage[s]`` of the model's layers
+    (``model_layers``) instead of an equal share of the cost.
 
     The ops of ``fixed`` keep their given stage; the other ops on the batch's path are cut into
     ``stages`` stages numbered from ``first`` (the interlaced pipeline's shared layers are fixed).
@@ -351,7 +390,7 @@ def cut_stages(graph: Graph, stages: int, forward_only: int = 0, fixed: dict[str
     else:
         parts = [(flowing, stages, first)]
     for part, count, start in parts:
-        cuts = _balanced_cuts(part, count)
+        cuts = _balanced_cuts(part, count) if layers_per_stage is None else _layer_cuts(graph, part, count, layers_per_stage)
         for index, op in enumerate(part):
             stage_of[op.name] = start + sum(index >= cut for cut in cuts)
     stage_of.update(fixed)
@@ -361,6 +400,66 @@ def cut_stages(graph: Graph, stages: int, forward_only: int = 0, fixed: dict[str
         elif kind[op.name] == "prologue":
             stage_of[op.name] = PROLOGUE_STAGE
     return StageCut(stage_of, readers)
+
+
+_LAYER = re.compile(r"^(.*\.\d+)\.")
+
+
+def model_layers(graph: Graph, ops: Sequence[Op]) -> tuple[list[int], int]:
+    """Per op of ``ops`` (in order), the index of the layer it belongs to; and how many layers there are.
+
+    A layer is a numbered module (``blocks.3``, ``encoder.layers.0``): the longest prefix of a parameter's
+    ``state_dict`` key that ends in a number. An op reading such a parameter belongs to its layer; an op
+    reading none (a residual add, an activation) to the layer of the op before it. The embeddings
+    before the first layer are layer -1; the head after the last layer (from the first op reading a
+    parameter there: a final norm, an LM head) is layer ``count``, so a stage of 0 layers at either end
+    holds only the embeddings or the head.
+    """
+    index_of: dict[str, int] = {}
+    layers, current, last_numbered = [], -1, -1
+    reads_parameters = []
+    for position, op in enumerate(ops):
+        keys = [graph.tensors[piece.name].state_key or "" for piece in op.tensor_inputs if graph.tensors[piece.name].role == "parameter"]
+        numbered = [match.group(1) for match in map(_LAYER.match, keys) if match]
+        if numbered:
+            current, last_numbered = index_of.setdefault(numbered[0], len(index_of)), position
+        layers.append(current)
+        reads_parameters.append(bool(keys))
+    head = next((position for position in range(last_numbered + 1, len(ops)) if reads_parameters[position]), None)
+    if head is not None:
+        layers[head:] = [len(index_of)] * (len(ops) - head)
+    return layers, len(index_of)
+
+
+def _layer_cuts(graph: Graph, ops: Sequence[Op], stages: int, layers_per_stage: Sequence[int]) -> list[int]:
+    """Cut indices into ``ops``: stage ``s`` starts at the first op of its first layer.
+
+    Raises:
+        ValueError: naming ``layers_per_stage`` when its counts do not give ``stages`` stages of the
+            model's layers, or leave a stage without ops.
+    """
+    layers, count = model_layers(graph, ops)
+    if len(layers_per_stage) != stages or sum(layers_per_stage) != count:
+        raise ValueError(
+            f"pipeline: layers_per_stage {list(layers_per_stage)} must give {stages} stages (chunks) and add up to "
+            f"the model's {count} layers (numbered modules such as blocks.0)"
+        )
+    if any(layers_in_stage == 0 for layers_in_stage in layers_per_stage[1:-1]):
+        raise ValueError(
+            f"pipeline: layers_per_stage {list(layers_per_stage)}: only the first and the last stage may hold 0 layers "
+            "(the embeddings or the head alone)"
+        )
+    cuts, boundary = [], 0
+    for layers_in_stage in layers_per_stage[:-1]:
+        boundary += layers_in_stage
+        cut = next((index for index, layer in enumerate(layers) if layer >= boundary), None)
+        if cut is None or cut == 0 or (cuts and cut <= cuts[-1]):
+            raise ValueError(
+                f"pipeline: layers_per_stage {list(layers_per_stage)} leaves a stage without ops "
+                "(the model has no embeddings before its first layer, or no head after its last)"
+            )
+        cuts.append(cut)
+    return cuts
 
 
 def _kinds(graph: Graph, ops: list[Op], producer: dict[str, Op]) -> dict[str, str]:

@@ -220,3 +220,56 @@ def test_an_op_the_batch_split_cannot_cut_is_refused_naming_it() -> None:
     lnn.parallelize(model, batch, "dp", 2, step="training_step").verify()  # not pipelined: fine
     with pytest.raises(ValueError, match=r"op 'amax' \(aten.amax.default\) cannot be split along the batch.*register_annotation"):
         lnn.parallelize(model, batch, "1f1b", 2, step="training_step")
+
+
+def stage_modules(graph, cut) -> dict[int, list[str]]:
+    """Per stage, the modules (``blocks.N`` or the parameter's key) whose parameters its ops read."""
+    modules: dict[int, set[str]] = {}
+    for op in graph.ops:
+        for piece in op.tensor_inputs:
+            key = graph.tensors[piece.name].state_key
+            if graph.tensors[piece.name].role == "parameter":
+                modules.setdefault(cut.stage_of[op.name], set()).add(".".join(key.split(".")[:2]) if key.startswith("blocks") else key)
+    return {stage: sorted(names) for stage, names in sorted(modules.items())}
+
+
+@pytest.mark.parametrize(
+    ("layers_per_stage", "expected"),
+    [
+        ([1, 1, 1, 1], {0: ["blocks.0", "position_embedding.weight", "token_embedding.weight"], 1: ["blocks.1"], 2: ["blocks.2"],
+                        3: ["blocks.3", "lm_head.weight", "ln_f.bias", "ln_f.weight"]}),
+        ([0, 2, 2, 0], {0: ["position_embedding.weight", "token_embedding.weight"], 1: ["blocks.0", "blocks.1"],
+                        2: ["blocks.2", "blocks.3"], 3: ["lm_head.weight", "ln_f.bias", "ln_f.weight"]}),
+        ([3, 1], {0: ["blocks.0", "blocks.1", "blocks.2", "position_embedding.weight", "token_embedding.weight"],
+                  1: ["blocks.3", "lm_head.weight", "ln_f.bias", "ln_f.weight"]}),
+    ],
+    ids=["one block each", "embeddings and head alone", "uneven"],
+)
+def test_layers_per_stage_puts_the_named_numbers_of_blocks_in_each_stage(layers_per_stage: list[int], expected: dict) -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=128, seq_len=16, hidden=32, layers=4, heads=4))
+    graph = lnn.trace(model, model.example_batch(8, torch.Generator().manual_seed(0)), step="training_step")
+    assert stage_modules(graph, cut_stages(graph, len(layers_per_stage), layers_per_stage=layers_per_stage)) == expected
+
+
+def test_a_pipeline_with_the_embeddings_and_the_head_on_stages_of_their_own_verifies() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=128, seq_len=16, hidden=32, layers=4, heads=4))
+    plan = lnn.parallelize(model, model.example_batch(8, torch.Generator().manual_seed(0)), "1f1b", 4, step="training_step", layers_per_stage="0,2,2,0")
+    plan.verify()
+
+
+@pytest.mark.parametrize(
+    ("layers_per_stage", "message"),
+    [
+        ("1,2", r"layers_per_stage \[1, 2\] must give 2 stages \(chunks\) and add up to the model.s 2 layers"),  # GPTConfig.small: 2 blocks
+        ("2,0,0,0", r"only the first and the last stage may hold 0 layers"),
+        ("1,x", r"layers_per_stage must be comma-separated counts such as '3,3,2', got '1,x'"),
+        ("0,0", r"counts must be >= 0 and not all 0"),
+    ],
+)
+def test_layers_per_stage_that_cannot_be_cut_is_refused_naming_it(layers_per_stage: str, message: str) -> None:
+    model, batch = gpt_and_batch()
+    stages = len(layers_per_stage.split(","))
+    with pytest.raises(ValueError, match=message):
+        lnn.parallelize(model, batch, "gpipe", stages, step="training_step", layers_per_stage=layers_per_stage, microbatches=stages)
