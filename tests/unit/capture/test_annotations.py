@@ -67,7 +67,7 @@ ANNOTATIONS = {
     ),
     "embedding": (
         annotation("aten.embedding.default", tensor("w", 128, 32), tensor("i", 2, 16, dtype="int64"), outputs=[tensor("y", 2, 16, 32)]),
-        "v^ d, a b -> a b d; value 0",
+        "v+ d, a b -> a b d; value 0",
     ),
     "cross-entropy sum: a batch split leaves partial losses": (
         annotation("aten.cross_entropy_loss.default", tensor("x", 32, 128), tensor("t", 32, dtype="int64"), None, 2, -100, 0.0, outputs=[tensor("l")]),
