@@ -85,7 +85,20 @@ SUBLAYERS = ("ln_1", "attn", "ln_2", "mlp")
 
 
 @dataclass(frozen=True)
-class Settings:
+class Measurement:
+    """What every table measures alike: the pipeline's ranks and microbatches, the steps, the timeouts."""
+
+    batch: int = 8
+    stages: int = 4
+    microbatches: int = 8
+    warmup: int = 2
+    steps: int = 5
+    collective_timeout: float = 60.0
+    run_timeout: float = 420.0
+
+
+@dataclass(frozen=True)
+class Settings(Measurement):
     """The model, the pipeline and the measurement."""
 
     hidden: int = 256
@@ -94,12 +107,6 @@ class Settings:
     seq_len: int = 64
     vocab: int = 512
     batch: int = 16
-    stages: int = 4
-    microbatches: int = 8
-    warmup: int = 2
-    steps: int = 5
-    collective_timeout: float = 60.0
-    run_timeout: float = 420.0
 
     def gpt_config(self) -> GPTConfig:
         """The GPT's shape."""
@@ -111,7 +118,7 @@ class Settings:
 
 
 @dataclass(frozen=True)
-class RecyclingSettings:
+class RecyclingSettings(Measurement):
     """The recycling model, the pipeline and the measurement.
 
     The Evoformer is pair-heavy (a long crop, few MSA rows): its triangle updates, O(n_res³ c_z),
@@ -128,12 +135,6 @@ class RecyclingSettings:
     blocks: int = 4
     recycles: int = 3
     batch: int = 8
-    stages: int = 4
-    microbatches: int = 8
-    warmup: int = 2
-    steps: int = 5
-    collective_timeout: float = 60.0
-    run_timeout: float = 420.0
 
     def evoformer_config(self) -> EvoformerConfig:
         """The Evoformer's shape: ``EvoformerConfig.small()`` scaled up, with ``recycles`` passes."""
@@ -148,7 +149,7 @@ class RecyclingSettings:
 
 
 @dataclass(frozen=True)
-class VocabularySettings:
+class VocabularySettings(Measurement):
     """The large-vocabulary model (mBART-style encoder-decoder), the pipeline and the measurement.
 
     The vocabulary dominates as in mBART (250k tokens, 1024 wide): its embedding and output projection
@@ -163,12 +164,6 @@ class VocabularySettings:
     decoder_layers: int = 2
     seq_len: int = 32
     batch: int = 8
-    stages: int = 4
-    microbatches: int = 8
-    warmup: int = 2
-    steps: int = 5
-    collective_timeout: float = 60.0
-    run_timeout: float = 420.0
 
     def mbart_config(self) -> MBartConfig:
         """The mBART-style model's shape."""
@@ -225,13 +220,18 @@ def make_plans(settings: Settings) -> list[PlanPayload]:
             model, batch, name, settings.stages, step="training_step", stages=settings.stages,
             microbatches=settings.microbatches, **extra,
         )
-        payload = PlanPayload(
-            name, extra.get("virtual_stages", 1), plan.sources, dict(plan.graph.constant_values),
-            [tensor.name for tensor in plan.graph.user_inputs], [plan.input_offsets(rank) for rank in range(settings.stages)],
-        )
+        payload = payload_of(name, extra.get("virtual_stages", 1), plan, settings.stages)
         payload.chunk_blocks = chunk_blocks(payload, settings)
         payloads.append(payload)
     return payloads
+
+
+def payload_of(name: str, virtual_stages: int, plan: lnn.Plan, ranks: int) -> PlanPayload:
+    """What each of ``ranks`` ranks needs of ``plan`` to run it."""
+    return PlanPayload(
+        name, virtual_stages, plan.sources, dict(plan.graph.constant_values), [tensor.name for tensor in plan.graph.user_inputs],
+        [plan.input_offsets(rank) for rank in range(ranks)],
+    )
 
 
 def chunk_blocks(payload: PlanPayload, settings: Settings) -> list[list[int]]:
@@ -664,11 +664,7 @@ def make_recycling_plans(settings: RecyclingSettings) -> tuple[list[PlanPayload]
         model, batch, "training_step", plan.graph, plan.planned, settings.stages, recipe="gpipe-recycling-outside",
         pipeline=PipelinePlan(baseline, plan.pipeline.column_of_rank), layout=plan.layout,
     )
-    payloads = [
-        PlanPayload(name, settings.recycles, planned.sources, dict(planned.graph.constant_values),
-                    [tensor.name for tensor in planned.graph.user_inputs], [planned.input_offsets(rank) for rank in range(settings.stages)])
-        for name, planned in ((RECYCLING_BASELINE, baseline_plan), ("3f1b", plan))
-    ]
+    payloads = [payload_of(name, settings.recycles, planned, settings.stages) for name, planned in ((RECYCLING_BASELINE, baseline_plan), ("3f1b", plan))]
     return payloads, {RECYCLING_BASELINE: baseline, "3f1b": plan.pipeline.schedule}
 
 
@@ -738,8 +734,7 @@ def run_vocabulary(quick: bool, steps: int | None) -> None:
     payloads, schedules = [], {}
     for name in ("1f1b", "interlaced"):
         plan = lnn.parallelize(model, batch, name, settings.stages, step="training_step", microbatches=settings.microbatches)
-        payloads.append(PlanPayload(name, 1, plan.sources, dict(plan.graph.constant_values), [tensor.name for tensor in plan.graph.user_inputs],
-                                    [plan.input_offsets(rank) for rank in range(settings.stages)]))
+        payloads.append(payload_of(name, 1, plan, settings.stages))
         schedules[name] = plan.pipeline.schedule
     print(f"planned 1f1b and interlaced in {time.perf_counter() - started:.1f} s")
     try:

@@ -23,16 +23,12 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import lightning_nnscaler as lnn
-from lightning_nnscaler.codegen import module_from_source
 from lightning_nnscaler.launch import launch
-from lightning_nnscaler.runtime import TorchDistributedCommunicator
-from lightning_nnscaler.runtime.executor import RankExecutor
 from lightning_nnscaler.sim.cluster import megatron_baseline, paper_shapes, search_cluster
 
-from simulator_accuracy import Payload, batch_of, build_model  # noqa: E402 - benchmarks/ is on sys.path
+from simulator_accuracy import Payload, batch_of, build_model, timed_plan  # noqa: E402 - benchmarks/ is on sys.path
 
 WORLD_SIZE = 4
 CATALOG: list[tuple[str, dict[str, Any]]] = [
@@ -44,25 +40,7 @@ CATALOG: list[tuple[str, dict[str, Any]]] = [
 
 def rank_main(rank: int, world_size: int, payload: Payload) -> dict[str, list[float]]:
     """Two warm-up steps, then ``payload.steps`` timed steps (forward/backward + AdamW) of the plan on this rank."""
-    torch.set_num_threads(1)
-    model = build_model(payload.model)
-    inputs = dict(zip(payload.input_names, lnn.flatten_inputs(batch_of(model), step="training_step")))
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    module = module_from_source(payload.sources[rank], f"search_rank{rank}")
-    executor = RankExecutor(module, rank, state, payload.constants, TorchDistributedCommunicator(60.0), input_offsets=payload.offsets[rank])
-    optimizer = torch.optim.AdamW(executor.parameters())
-
-    def step() -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        executor.forward_backward(inputs)
-        optimizer.step()
-        executor.after_optimizer_step()
-        dist.barrier()
-        return time.perf_counter() - start
-
-    for _ in range(2):
-        step()
+    _, _, step = timed_plan(rank, payload)
     return {"times": [step() for _ in range(payload.steps)]}
 
 

@@ -89,14 +89,14 @@ class Payload:
     steps: int
 
 
-def rank_main(rank: int, world_size: int, payload: Payload) -> dict[str, Any]:
-    """Warm-up, timed steps, and one metered step of the plan on this rank."""
+def timed_plan(rank: int, payload: Payload) -> tuple[RankExecutor, torch.optim.Optimizer, Any]:
+    """This rank's executor of the plan, its AdamW, and ``step()``: one barrier-to-barrier training step
+    (forward/backward, optimizer step), returning its seconds; two untimed steps already run."""
     torch.set_num_threads(1)
     model = build_model(payload.model)
-    batch = batch_of(model)
-    inputs = dict(zip(payload.input_names, lnn.flatten_inputs(batch, step="training_step")))
+    inputs = dict(zip(payload.input_names, lnn.flatten_inputs(batch_of(model), step="training_step")))
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    module = module_from_source(payload.sources[rank], f"accuracy_rank{rank}")
+    module = module_from_source(payload.sources[rank], f"timed_rank{rank}")
     executor = RankExecutor(module, rank, state, payload.constants, TorchDistributedCommunicator(60.0), input_offsets=payload.offsets[rank])
     optimizer = torch.optim.AdamW(executor.parameters())
 
@@ -111,6 +111,12 @@ def rank_main(rank: int, world_size: int, payload: Payload) -> dict[str, Any]:
 
     for _ in range(2):
         step()
+    return executor, optimizer, step
+
+
+def rank_main(rank: int, world_size: int, payload: Payload) -> dict[str, Any]:
+    """Warm-up, timed steps, and one metered step of the plan on this rank."""
+    executor, optimizer, step = timed_plan(rank, payload)
     times = [step() for _ in range(payload.steps)]
     meter = _Meter({tensor.untyped_storage().data_ptr() for tensor in executor.held.values() if tensor.numel()})
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda saved: saved[0]):
