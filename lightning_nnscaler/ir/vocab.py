@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 VOCAB_EMBEDDING_OP = "lnn.vocab_embedding.default"
-"""The IR target: ``(table rows [start, start + rows), token ids, start)`` -> ``(*ids.shape, dim)``."""
+"""The IR target: ``(table rows [start, start + rows), token ids, start, padding_idx)`` -> ``(*ids.shape, dim)``;
+``padding_idx`` (a vocabulary id, -1 for none) gets no gradient, as in ``nn.Embedding``."""
 
 
 def _local_ids(ids: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,30 +23,32 @@ def _local_ids(ids: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, 
 
 
 @torch.library.custom_op(VOCAB_EMBEDDING_OP.removesuffix(".default").replace(".", "::"), mutates_args=())
-def vocab_embedding(table: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
+def vocab_embedding(table: torch.Tensor, ids: torch.Tensor, start: int, padding_idx: int = -1) -> torch.Tensor:
     """Rows of ``table`` (vocabulary rows ``start`` on) for the ids in its slice; zeros for the others."""
     local, inside = _local_ids(ids, start, table.shape[0])
     return torch.nn.functional.embedding(local, table) * inside.unsqueeze(-1).to(table.dtype)
 
 
 @vocab_embedding.register_fake
-def _vocab_embedding_shape(table: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
+def _vocab_embedding_shape(table: torch.Tensor, ids: torch.Tensor, start: int, padding_idx: int = -1) -> torch.Tensor:
     return table.new_empty((*ids.shape, table.shape[1]))
 
 
 def _save(ctx, inputs: tuple, output: torch.Tensor) -> None:
-    table, ids, start = inputs
+    table, ids, start, padding_idx = inputs
     ctx.save_for_backward(ids)
-    ctx.start, ctx.rows, ctx.width = start, table.shape[0], table.shape[1]
+    ctx.start, ctx.rows, ctx.width, ctx.padding_idx = start, table.shape[0], table.shape[1], padding_idx
 
 
-def _backward(ctx, gradient: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+def _backward(ctx, gradient: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
     (ids,) = ctx.saved_tensors
     local, inside = _local_ids(ids, ctx.start, ctx.rows)
+    if ctx.padding_idx >= 0:
+        inside = inside & (ids != ctx.padding_idx)
     table_gradient = torch.zeros((ctx.rows, ctx.width), dtype=gradient.dtype, device=gradient.device)
     rows = gradient.reshape(-1, ctx.width)[inside.reshape(-1)]
     table_gradient.index_add_(0, local.reshape(-1)[inside.reshape(-1)], rows)
-    return table_gradient, None, None
+    return table_gradient, None, None, None
 
 
 vocab_embedding.register_autograd(_backward, setup_context=_save)

@@ -6,9 +6,9 @@ projection. The interlaced plan splits those by vocabulary over *all* the ranks 
 runs them as two shared stages (``schedules.interlaced``) around the pipeline stages:
 
 - stage 0: each **lookup** (an embedding into the large table) split by vocabulary rows: every rank
-  looks up the ids of its slice, zeros for the others (``ir.vocab``); each op reading a lookup (the
-  **gather**) is replicated on every rank, so an all-reduce inside the stage adds the slices up and
-  the pipeline stage that reads it finds it on its own rank;
+  looks up the ids of its slice, zeros for the others (``ir.vocab``); a **gather** added after each
+  lookup (a copy, ``gather_lookups``) is replicated on every rank, so an all-reduce inside the stage
+  adds the slices up and the pipeline stage that reads it finds it on its own rank;
 - stage ``p + 1``: the op writing the projection's input (the **hand-in**, e.g. the final norm) runs
   on the last pipeline rank, which broadcasts its output inside the stage; each **projection** (a
   linear onto the vocabulary) is split by output rows, and the split flows on through what follows
@@ -29,7 +29,7 @@ from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.rules import annotate_op
 from lightning_nnscaler.ir.rules.common import argument
-from lightning_nnscaler.ir.tensor import PTensor
+from lightning_nnscaler.ir.tensor import PTensor, VTensor
 from lightning_nnscaler.ir.vocab import LOSS_FROM_PARTS_OP, VOCAB_EMBEDDING_OP, VOCAB_LOSS_PARTS_OP
 from lightning_nnscaler.plans.megatron_tp import final_linears, is_linear
 
@@ -85,12 +85,11 @@ def find_shared_layers(graph: Graph, kinds: dict[str, str], names: Sequence[str]
         for piece in op.tensor_inputs:
             if piece.name in producer:
                 readers.setdefault(producer[piece.name].name, []).append(op)
-    gathers = tuple(dict.fromkeys(reader.name for name in lookups for reader in readers.get(name, [])))
     hand_ins = tuple(dict.fromkeys(
         producer[ops[name].tensor_inputs[0].name].name for name in projections if ops[name].tensor_inputs[0].name in producer
     ))
     tail = _downstream(graph, projections, readers)
-    shared = SharedLayers(lookups, gathers, hand_ins, projections, tail)
+    shared = SharedLayers(lookups, (), hand_ins, projections, tail)
     _check_self_contained(graph, shared, producer, kinds)
     return shared
 
@@ -128,9 +127,8 @@ def _downstream(graph: Graph, starts: Sequence[str], readers: dict[str, list[Op]
 
 
 def _check_self_contained(graph: Graph, shared: SharedLayers, producer: dict[str, Op], kinds: dict[str, str]) -> None:
-    """A gather may read only lookups and what needs no pipeline stage; the tail only the output stage."""
-    for role, names, allowed in (("reads an embedding lookup", shared.gathers, shared.input_stage),
-                                 ("follows the vocabulary projection", shared.tail, shared.output_stage)):
+    """The tail may read only the output stage and what needs no pipeline stage."""
+    for role, names, allowed in (("follows the vocabulary projection", shared.tail, shared.output_stage),):
         for name in names:
             op = next(op for op in graph.ops if op.name == name)
             for piece in op.tensor_inputs:
@@ -142,6 +140,28 @@ def _check_self_contained(graph: Graph, shared: SharedLayers, producer: dict[str
                         "Name the shared ops with shared_layers='op,op', or use 1f1b"
                     )
 
+
+
+def gather_lookups(graph: Graph, shared: SharedLayers) -> SharedLayers:
+    """After each lookup, a copy of its output that its readers read instead (the **gather**): placed on
+    every rank in the input stage, it is where the vocabulary slices' value parts are all-reduced, so
+    the lookup's readers (a scale, a residual add) stay in the pipeline stages, on one rank each.
+    Returns ``shared`` with the gathers."""
+    gathers = []
+    for name in shared.lookups:
+        lookup = graph.op(name)
+        output = lookup.outputs[0]
+        gathered = PTensor(f"{name}_gathered", output.tensor.shape, output.tensor.dtype, "activation")
+        graph.tensors[gathered.name] = gathered
+        for reader in [op for op in graph.ops if any(piece.name == output.name for piece in op.tensor_inputs)]:
+            args, kwargs = reader.map_tensor_inputs(
+                lambda _, piece: VTensor(gathered, piece.index, piece.value) if piece.name == output.name else piece
+            )
+            graph.replace_op(reader, [replace(reader, args=args, kwargs=kwargs)])
+        copy = Op(gathered.name, "aten.clone.default", (output,), outputs=(gathered.full(),), no_grad=lookup.no_grad)
+        graph.replace_op(lookup, [lookup, replace(copy, annotation=annotate_op(copy))])
+        gathers.append(gathered.name)
+    return replace(shared, gathers=tuple(gathers))
 
 
 def vocabulary_parallel_losses(graph: Graph, shared: SharedLayers) -> SharedLayers:

@@ -34,7 +34,7 @@ from lightning_nnscaler.plans.layout import DeviceGrid, RecipeLayout
 from lightning_nnscaler.plans.megatron_tp import megatron_choice, tensor_parallel
 from lightning_nnscaler.plans.propagate import propagate, replicate
 from lightning_nnscaler.primitives import TransformError, op_assign, op_orders, op_trans
-from lightning_nnscaler.plans.interlaced import SharedLayers, find_shared_layers, vocabulary_choice, vocabulary_parallel_losses
+from lightning_nnscaler.plans.interlaced import SharedLayers, find_shared_layers, gather_lookups, vocabulary_choice, vocabulary_parallel_losses
 from lightning_nnscaler.schedules import Schedule, gpipe, interlaced, interleaved, lower, one_f_one_b, three_f_one_b, validate, zb1
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1", "3f1b", "interlaced")
@@ -178,7 +178,7 @@ def pipeline(
     shared = None
     if schedule == "interlaced":
         shared = find_shared_layers(graph, _kinds(graph, list(graph.ops), {output.name: op for op in graph.ops for output in op.outputs}), shared_layers)
-        shared = vocabulary_parallel_losses(graph, shared)
+        shared = vocabulary_parallel_losses(graph, gather_lookups(graph, shared))
         fixed = {name: 0 for name in shared.input_stage} | {name: pp + 1 for name in shared.output_stage}
         cut = cut_stages(graph, pp, fixed=fixed, first=1)
     else:
@@ -230,10 +230,11 @@ def place_shared(graph: Graph, piece: Op, shared: SharedLayers, ranks: list[int]
         try:
             parts = op_trans(graph, piece, "v", len(ranks))
         except TransformError as error:
-            raise ValueError(
-                f"interlaced: cannot split {name!r} by vocabulary over {len(ranks)} ranks ({error}); pad the vocabulary "
-                f"to a multiple of {len(ranks)} (as Megatron does), or use fewer stages"
-            ) from None
+            fix = (
+                f"pad the vocabulary to a multiple of {len(ranks)} (as Megatron does), or use fewer stages" if "do not divide" in str(error)
+                else "an embedding with scale_grad_by_freq or sparse gradients is not split by vocabulary; name the shared layers without it"
+            )
+            raise ValueError(f"interlaced: cannot split {name!r} by vocabulary over {len(ranks)} ranks ({error}); {fix}") from None
     elif name in shared.hand_ins:
         op_assign(graph, piece, ranks[-1], segment=segment)
         return

@@ -81,17 +81,19 @@ def _vocabulary_slice(piece: Op) -> Op:
     """A piece whose table holds only some vocabulary rows becomes a ``lnn.vocab_embedding`` of that slice."""
     table, ids = piece.args[0], piece.args[1]
     start, stop = piece.tensor_inputs[0].index.ranges[0]
+    if piece.target == VOCAB_EMBEDDING_OP:
+        return replace(piece, args=(table, ids, start, piece.args[3]))
     if (start, stop) == (0, piece.tensor_inputs[0].tensor.shape[0]):
         return piece
-    return replace(piece, target=VOCAB_EMBEDDING_OP, args=(table, ids, start), kwargs=())
+    padding = argument(piece, 2, "padding_idx", -1)
+    return replace(piece, target=VOCAB_EMBEDDING_OP, args=(table, ids, start, -1 if padding is None else padding), kwargs=())
 
 
 def _plain_lookup(op: Op) -> bool:
-    """An embedding without a padding row, frequency scaling or sparse gradients (``lnn.vocab_embedding`` has none)."""
+    """An embedding without frequency scaling or sparse gradients (``lnn.vocab_embedding`` has neither)."""
     if op.target == VOCAB_EMBEDDING_OP:
         return True
-    padding = argument(op, 2, "padding_idx", -1)
-    return padding in (-1, None) and not argument(op, 3, "scale_grad_by_freq", False) and not argument(op, 4, "sparse", False)
+    return not argument(op, 3, "scale_grad_by_freq", False) and not argument(op, 4, "sparse", False)
 
 
 @register_annotation("aten.embedding.default", VOCAB_EMBEDDING_OP, rewrite=_vocabulary_slice)

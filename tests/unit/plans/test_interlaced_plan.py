@@ -82,3 +82,33 @@ def test_shared_layers_can_be_named() -> None:
     plan.verify()
     assert "'token_embedding.weight', ((0, 128), (0, 32))" in plan.sources[0]
     assert "vocab_embedding" not in plan.sources[0]
+
+
+class ResidualLM(torch.nn.Module):
+    """Written as a user would: the embedding feeds a residual block directly (its first reader also
+    reads a pipeline stage's output), optionally a padding row and a head tied to the embedding."""
+
+    def __init__(self, tie: bool, padding_idx: int | None) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(256, 32, padding_idx=padding_idx)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 32), torch.nn.GELU()) for _ in range(2))
+        self.head = torch.nn.Linear(32, 256, bias=False)
+        if tie:
+            self.head.weight = self.embedding.weight
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        for block in self.blocks:
+            x = x + block(x)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize(("tie", "padding_idx"), [(False, None), (True, None), (False, 0)], ids=["untied", "tied head", "padding row"])
+def test_a_user_model_whose_embedding_feeds_a_residual_verifies(tie: bool, padding_idx: int | None) -> None:
+    torch.manual_seed(0)
+    model = ResidualLM(tie, padding_idx)
+    tokens = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+    tokens[:, 0] = 0  # the padding id, whose row gets no gradient
+    plan = lnn.parallelize(model, (tokens, torch.randint(0, 256, (8, 16))), "interlaced", 2)
+    plan.verify()
+    assert "torch.ops.lnn.vocab_embedding.default" in plan.sources[0]
