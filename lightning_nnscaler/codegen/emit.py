@@ -1,9 +1,11 @@
 """Code generation: one readable Python module per rank from its materialized program.
 
 The module holds only that rank's pieces: a table of the graph inputs it keeps (parameter boxes,
-buffers, the slice of the batch), and ``forward(held, communicator, token)`` with one line per op
-(a shape comment on each), communication inline. Every communication call threads ``token`` so
-backward replays communication in exact reverse order on every rank.
+buffers, the slice of the batch), its ``SCHEDULE`` of segment actions and one function per segment
+(``codegen.segments``) with one line per op (a shape comment on each), communication between peers of
+the segment inline. Every such call threads ``token`` so backward replays that communication in exact
+reverse order on every rank. A plan that is not pipelined is the case of one segment, ``stage0_microbatch0``,
+run by the schedule ``["0F0", "0B0"]``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 
 from lightning_nnscaler.codegen.names import with_safe_names
 from lightning_nnscaler.codegen.recompute import block_lines, recompute_blocks
-from lightning_nnscaler.codegen.segments import boundary_lines, emit_segments, is_boundary
+from lightning_nnscaler.codegen.segments import boundary_lines, emit_segments, is_boundary, segment_of
+from lightning_nnscaler.ir.op import WHOLE_STEP_SCHEDULE
 from lightning_nnscaler.ir.printer import format_argument
 from lightning_nnscaler.ir.randomness import RANDOM_LIKE_OP, RANDOM_OP
 from lightning_nnscaler.ir.vocab import VOCAB_TARGETS
@@ -66,8 +69,8 @@ def emit_rank(program: Program, rank: int, plan_hash: str, label: str, zero_stag
 
     Variables are named after graph tensors, renamed where that would shadow a name the module uses
     (``codegen.names``). A pipelined program (``program.pipelined``) needs ``schedule``, this rank's
-    compute actions in order (``["0F0", "0F1", "0B0", ...]``): its module holds one function per
-    segment (``codegen.segments``) instead of ``forward``.
+    compute actions in order (``["0F0", "0F1", "0B0", ...]``); any other is one segment, run forward
+    then backward.
     """
     rank_program = with_safe_names(program.ranks[rank])
     lines = [HEADER.format(rank=rank, world_size=program.world_size, plan_hash=plan_hash, label=label)]
@@ -89,29 +92,14 @@ def emit_rank(program: Program, rank: int, plan_hash: str, label: str, zero_stag
         lines.append(RANDOM_IMPORT)
     if targets & set(VOCAB_TARGETS):
         lines.append(VOCAB_IMPORT)
-    if program.pipelined:
-        if schedule is None:
-            raise CodegenError(f"rank {rank}: a pipelined program needs its schedule (the rank's list of F/B/W actions)")
-        lines.append("OUTPUTS = [  # (graph output, variable, starts backward, segment)")
-        for output in _loss_outputs(program, rank_program):
-            lines.append(f"    ({output.name!r}, {output.var!r}, {output.seed!r}, {output.segment!r}),")
-        lines.append("]")
-        lines.extend(_value_tables(program, rank_program, with_segments=True))
-        lines.extend(emit_segments(program, rank_program, schedule, _body))
-        return "\n".join(lines) + "\n"
-    lines.append("OUTPUTS = [  # (graph output, variable, starts backward)")
+    if program.pipelined and schedule is None:
+        raise CodegenError(f"rank {rank}: a pipelined program needs its schedule (the rank's list of F/B/W actions)")
+    lines.append("OUTPUTS = [  # (graph output, variable, starts backward, segment)")
     for output in _loss_outputs(program, rank_program):
-        lines.append(f"    ({output.name!r}, {output.var!r}, {output.seed!r}),")
+        lines.append(f"    ({output.name!r}, {output.var!r}, {output.seed!r}, {segment_of(output)!r}),")
     lines.append("]")
-    lines.extend(_value_tables(program, rank_program, with_segments=False))
-    lines.append("\n")
-    lines.append("def forward(held, communicator, token):")
-    lines.append(f'    """Run rank {rank}\'s part of the step; returns (outputs by graph name, token)."""')
-    for local in rank_program.inputs:
-        lines.append(f"    {local.var} = held[{local.var!r}]  # {_shape(local.box)}")
-    lines.extend("    " + line for line in _body(rank_program))
-    outputs = ", ".join(f"{output.name!r}: {output.var}" for output in rank_program.outputs)
-    lines.append(f"    return {{{outputs}}}, token")
+    lines.extend(_value_tables(program, rank_program))
+    lines.extend(emit_segments(rank_program, schedule if program.pipelined else WHOLE_STEP_SCHEDULE, _body))
     return "\n".join(lines) + "\n"
 
 
@@ -120,7 +108,7 @@ def _loss_outputs(program: Program, rank_program: RankProgram) -> list[RankOutpu
     return [output for output in rank_program.outputs if program.loss is None or output.name == program.loss]
 
 
-def _value_tables(program: Program, rank_program: RankProgram, *, with_segments: bool) -> list[str]:
+def _value_tables(program: Program, rank_program: RankProgram) -> list[str]:
     """``VALUES`` (every rank: each other graph output's whole shape) and ``VALUE_PIECES`` (this rank's pieces of
     them); none when the graph outputs the loss alone. The runtime adds the counted pieces up over the ranks."""
     shapes = {
@@ -132,17 +120,12 @@ def _value_tables(program: Program, rank_program: RankProgram, *, with_segments:
     lines = ["VALUES = {  # graph outputs summed over the ranks after the step (logged values): whole shape"]
     lines += [f"    {name!r}: {shape!r}," for name, shape in sorted(shapes.items())]
     lines.append("}")
-    lines.append("VALUE_PIECES = [  # (graph output, variable, box, counted once" + (", segment)" if with_segments else ")"))
+    lines.append("VALUE_PIECES = [  # (graph output, variable, box, counted once, segment)")
     for output in rank_program.outputs:
         if output.name in shapes:
-            segment = f", {output.segment!r}" if with_segments else ""
-            lines.append(f"    ({output.name!r}, {output.var!r}, {tuple(output.piece.index.ranges)!r}, {output.seed!r}{segment}),")
+            lines.append(f"    ({output.name!r}, {output.var!r}, {tuple(output.piece.index.ranges)!r}, {output.seed!r}, {segment_of(output)!r}),")
     lines.append("]")
     return lines
-
-
-def _shape(box: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
-    return tuple(stop - start for start, stop in box)
 
 
 def _body(program: RankProgram) -> list[str]:

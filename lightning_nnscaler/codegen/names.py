@@ -3,8 +3,9 @@
 Program variables are named after graph tensors, which are named after the user's ops and modules
 (``zeros``, ``token``, ``list``, ``class``, ...). A variable must not shadow what the generated module
 itself uses: a keyword (a syntax error), a builtin (``float``, ``slice``), a name of the module's
-header (``torch``, ``zeros``, ``assemble``, ``HELD``, ...), a parameter of ``forward`` (``held``,
-``communicator``, ``token``) or a recompute function. Such a variable gets a trailing ``_`` (PEP 8's
+header (``torch``, ``zeros``, ``assemble``, ``HELD``, ``SCHEDULE``, ...), a parameter of a segment
+function (``held``, ``shared``, ``received``, ``communicator``, ``token``), a segment function
+(``stage0_microbatch0``) or a recompute function. Such a variable gets a trailing ``_`` (PEP 8's
 spelling for a name that clashes), then ``_1``, ``_2``, ... until it is unused; other variables keep
 their names, so the code still reads as the model.
 """
@@ -18,11 +19,10 @@ from dataclasses import replace
 
 from lightning_nnscaler.materialize.program import Action, Assemble, Collective, Compute, Recv, RankProgram, Send, writes
 
-# Module-level names of a generated file (see emit.HEADER and emit_rank) and forward's parameters.
+# Module-level names of a generated file (see emit.HEADER, emit_rank and codegen.segments) and the segment functions' parameters.
 MODULE_NAMES = frozenset({
     "torch", "comm", "assemble", "checkpoint", "zeros", "aten", "DEVICE", "RANK", "WORLD_SIZE", "HELD",
-    "GRADIENT_GROUPS", "GROUPS", "ZERO_STAGE", "OUTPUTS", "VALUES", "VALUE_PIECES", "forward", "held", "communicator", "token",
-    # pipelined plans (codegen.segments)
+    "GRADIENT_GROUPS", "GROUPS", "ZERO_STAGE", "OUTPUTS", "VALUES", "VALUE_PIECES", "held", "communicator", "token",
     "SCHEDULE", "SEGMENTS", "BOUNDARY_IN", "BOUNDARY_OUT", "prologue", "shared", "received",
 })
 RESERVED = frozenset(keyword.kwlist) | frozenset(keyword.softkwlist) | frozenset(dir(builtins)) | MODULE_NAMES

@@ -1,4 +1,6 @@
-"""Code generation for pipelined plans: one function per segment, run in the order of ``SCHEDULE``.
+"""Code generation of a rank's segments: one function per segment, run in the order of ``SCHEDULE``.
+
+A plan that is not pipelined has one segment (``ir.op.WHOLE_STEP``) and no prologue.
 
 A rank's module holds ``prologue`` (the step's ops that need no gradient, run once before any
 segment) and one function per segment ``(stage, microbatch)`` it runs, named
@@ -13,9 +15,11 @@ stage) stays inline; communication *between* segments is the runtime's (``runtim
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
-from lightning_nnscaler.ir.op import PROLOGUE
-from lightning_nnscaler.materialize.program import Program, RankProgram, Recv, Segment, Send, reads, writes
+from lightning_nnscaler.ir.op import PROLOGUE, WHOLE_STEP
+from lightning_nnscaler.materialize.program import LocalTensor, RankProgram, Recv, Segment, Send, reads, writes
 
 
 def segment_function_name(segment: Segment) -> str:
@@ -26,44 +30,51 @@ def segment_function_name(segment: Segment) -> str:
     return f"stage{stage}_microbatch{microbatch}"
 
 
+def segment_of(item: Any) -> Segment:
+    """The segment of an action or rank output: its own, or ``WHOLE_STEP`` in a plan that is not pipelined."""
+    return WHOLE_STEP if item.segment is None else item.segment
+
+
 def segments_of(program: RankProgram) -> dict[Segment, RankProgram]:
     """The rank's actions grouped by segment (each group in program order) with that segment's outputs."""
     grouped: dict[Segment, RankProgram] = defaultdict(lambda: RankProgram(program.rank, program.inputs))
     grouped[PROLOGUE]  # every rank has a prologue, maybe empty
     for action in program.actions:
-        grouped[action.segment].actions.append(action)
+        grouped[segment_of(action)].actions.append(action)
     for output in program.outputs:
-        grouped[output.segment].outputs.append(output)
+        grouped[segment_of(output)].outputs.append(output)
     return dict(grouped)
 
 
-def emit_segments(program: Program, rank_program: RankProgram, schedule: list[str], body) -> list[str]:
-    """The pipelined part of a rank's module: tables, the prologue and the segment functions.
+def emit_segments(rank_program: RankProgram, schedule: list[str], body: Callable[[RankProgram], list[str]]) -> list[str]:
+    """The step part of a rank's module: ``SCHEDULE``, the boundary tables, the prologue and the segment functions.
 
-    ``body(segment_program)`` gives the statement lines of one segment (``emit._body``).
+    ``body(segment_program)`` gives the statement lines of one segment (``emit._body``). Empty
+    tables print on one line and an empty prologue is left out (the runtime skips a missing one).
     """
     segments = segments_of(rank_program)
-    held = {local.var for local in rank_program.inputs}
+    held = {local.var: local for local in rank_program.inputs}
     prologue_vars = {var for action in segments[PROLOGUE].actions for var in writes(action)}
     lines = [f"SCHEDULE = {schedule!r}  # this rank's segments: F forward, B backward, W weight gradients (stage, kind, microbatch)"]
-    lines.append("BOUNDARY_IN = {  # segment: messages received before its forward, in order (tag, from rank, shape, dtype, gradient goes back)")
-    for segment, part in segments.items():
-        received = [action for action in part.actions if isinstance(action, Recv) and action.boundary]
-        if received:
-            entries = ", ".join(f"({action.tag}, {action.src}, {action.shape!r}, torch.{action.dtype}, {action.gradient})" for action in received)
-            lines.append(f"    {segment!r}: [{entries}],")
-    lines.append("}")
-    lines.append("BOUNDARY_OUT = {  # segment: messages sent after its forward, in order (tag, to rank, gradient comes back)")
-    for segment, part in segments.items():
-        sent = [action for action in part.actions if isinstance(action, Send) and action.boundary]
-        if sent:
-            lines.append(f"    {segment!r}: [{', '.join(f'({action.tag}, {action.dst}, {action.gradient})' for action in sent)}],")
-    lines.append("}\n\n")
+    received = {
+        segment: [action for action in part.actions if isinstance(action, Recv) and action.boundary] for segment, part in segments.items()
+    }
+    sent = {segment: [action for action in part.actions if isinstance(action, Send) and action.boundary] for segment, part in segments.items()}
+    lines += _table(
+        "BOUNDARY_IN", "segment: messages received before its forward, in order (tag, from rank, shape, dtype, gradient goes back)",
+        {segment: ", ".join(f"({action.tag}, {action.src}, {action.shape!r}, torch.{action.dtype}, {action.gradient})" for action in actions)
+         for segment, actions in received.items() if actions},
+    )
+    lines += _table(
+        "BOUNDARY_OUT", "segment: messages sent after its forward, in order (tag, to rank, gradient comes back)",
+        {segment: ", ".join(f"({action.tag}, {action.dst}, {action.gradient})" for action in actions) for segment, actions in sent.items() if actions},
+    )
     needed_from_prologue = sorted({
         var for segment, part in segments.items() if segment != PROLOGUE for action in part.actions for var in reads(action)
         if var in prologue_vars
     } | {output.var for output in segments[PROLOGUE].outputs})
-    lines += _prologue(segments[PROLOGUE], held, needed_from_prologue, body)
+    if segments[PROLOGUE].actions or segments[PROLOGUE].outputs:
+        lines += ["", ""] + _prologue(segments[PROLOGUE], set(held), needed_from_prologue, body)
     for segment, part in segments.items():
         if segment != PROLOGUE:
             lines += ["", ""] + _segment_function(segment, part, held, prologue_vars, body)
@@ -71,6 +82,12 @@ def emit_segments(program: Program, rank_program: RankProgram, schedule: list[st
     listed = ", ".join(f"{segment!r}: {segment_function_name(segment)}" for segment in segments if segment != PROLOGUE)
     lines.append(f"SEGMENTS = {{{listed}}}")
     return lines
+
+
+def _table(name: str, comment: str, rows: dict[Segment, str]) -> list[str]:
+    if not rows:
+        return [f"{name} = {{}}  # {comment}"]
+    return [f"{name} = {{  # {comment}", *(f"    {segment!r}: [{entries}]," for segment, entries in rows.items()), "}"]
 
 
 def _prologue(part: RankProgram, held: set[str], results: list[str], body) -> list[str]:
@@ -82,12 +99,15 @@ def _prologue(part: RankProgram, held: set[str], results: list[str], body) -> li
     return lines
 
 
-def _segment_function(segment: Segment, part: RankProgram, held: set[str], prologue_vars: set[str], body) -> list[str]:
+def _segment_function(segment: Segment, part: RankProgram, held: dict[str, LocalTensor], prologue_vars: set[str], body) -> list[str]:
     stage, microbatch = segment
     lines = [f"def {segment_function_name(segment)}(held, shared, received, communicator, token):"]
     lines.append(f'    """Stage {stage}, microbatch {microbatch}: returns (sent by tag, outputs by graph name, token)."""')
-    for var in _outside_reads(part, held | prologue_vars):
-        lines.append(f"    {var} = {'held' if var in held else 'shared'}[{var!r}]")
+    for var in _outside_reads(part, set(held) | prologue_vars):
+        if var in held:
+            lines.append(f"    {var} = held[{var!r}]  # {tuple(stop - start for start, stop in held[var].box)}")
+        else:
+            lines.append(f"    {var} = shared[{var!r}]")
     lines += ["    " + line for line in body(part)]
     sent = [action for action in part.actions if isinstance(action, Send) and action.boundary]
     sent_text = ", ".join(f"{action.tag}: {action.source_var}{_slices(action.region)}" for action in sent)

@@ -18,6 +18,12 @@ Argument = Any
 PROLOGUE = (-1, 0)
 """The segment of a pipelined plan's step prologue: ops that need no gradient and no other segment."""
 
+WHOLE_STEP = (0, 0)
+"""The one segment of a plan that is not pipelined: one stage, one microbatch (its ops carry no segment)."""
+
+WHOLE_STEP_SCHEDULE = ["0F0", "0B0"]
+"""The schedule of a plan that is not pipelined: its one segment's forward, then its backward."""
+
 
 @dataclass(frozen=True, eq=False)
 class Op:

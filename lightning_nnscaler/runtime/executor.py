@@ -16,7 +16,6 @@ import torch
 
 from lightning_nnscaler.ir.box import Box, PieceLocation, region
 from lightning_nnscaler.ir.randomness import RandomStream, set_stream
-from lightning_nnscaler.runtime import autograd_comm as comm
 from lightning_nnscaler.runtime.comm import AsyncHandle, Communicator
 from lightning_nnscaler.runtime.pipeline import PipelineRun
 from lightning_nnscaler.runtime.reducer import GradientReducer
@@ -189,8 +188,10 @@ class RankExecutor:
     ) -> torch.Tensor:
         """One step's forward and backward on this rank; returns the whole loss (same on every rank).
 
-        Gradients accumulate into the pieces' ``.grad`` as in torch. The whole loss is summed over
-        the ranks while backward runs (an asynchronous sum, waited for at the end).
+        Runs the module's ``SCHEDULE`` (``runtime.pipeline``; one forward and one backward when the
+        plan is not pipelined). Gradients accumulate into the pieces' ``.grad`` as in torch. The whole
+        loss is summed over the ranks while backward runs (an asynchronous sum started after the
+        rank's last forward, waited for at the end).
 
         Args:
             inputs: The batch by graph input name (the rank's replica's share, see ``input_offsets``);
@@ -210,41 +211,21 @@ class RankExecutor:
         held = dict(self.held)
         for var, (name, box) in self.input_boxes.items():
             held[var] = inputs[name][region(box)].to(self.device)
-        if getattr(self.module, "SCHEDULE", None) is not None:
-            return self._run_schedule(held, backward, loss_scale, reduce_gradients)
-        token = torch.zeros((), device=self.device, requires_grad=backward)
-        with torch.set_grad_enabled(backward):
-            outputs, token = self.module.forward(held, self.communicator, token)
-        seeds = [outputs[name] for name, _, seed in self.module.OUTPUTS if seed]
-        values = [(name, box, outputs[name]) for name, _, box, counted in getattr(self.module, "VALUE_PIECES", ()) if counted]
-        whole_loss = self._start_loss_sum(seeds, values)
-        if backward:
-            self.reducer.before_backward(reduce_gradients)
-            seeds = [seed for seed in seeds if seed.requires_grad]
-            unscaled = not isinstance(loss_scale, torch.Tensor) and loss_scale == 1.0
-            scales = None if unscaled else [torch.ones_like(seed) * loss_scale for seed in seeds]
-            # The token's chain reaches every send whose backward receives a gradient from a peer.
-            comm.backward(token, seeds, scales)
-        self.communicator.wait_sends()
-        if backward:
-            self.reducer.after_backward()
-        return whole_loss.wait()
-
-    def _run_schedule(self, held: dict[str, torch.Tensor], backward: bool, loss_scale: float | torch.Tensor, reduce_gradients: bool) -> torch.Tensor:
-        """A pipelined module's step (``runtime.pipeline``): its schedule of segment actions in order."""
         parameters = [shard.tensor for shard in self.shards.values() if isinstance(shard.tensor, torch.nn.Parameter)]
         run = PipelineRun(self.module, self.rank, self.communicator, held, parameters, self.device)
         if backward:
             self.reducer.before_backward(False)  # accumulate over the microbatches; sum during the last backward
-        seeds = run.run(
+        loss_sum: list[AsyncHandle] = []
+        run.run(
             backward=backward, loss_scale=loss_scale, trace=self.trace_actions,
+            after_last_forward=lambda: loss_sum.append(self._start_loss_sum(run.seeds, run.values)),
             before_last_backward=(lambda: self.reducer.before_backward(reduce_gradients)) if backward else None,
         )
         self.executed_actions = run.executed
         self.communicator.wait_sends()
         if backward:
             self.reducer.after_backward()
-        return self._start_loss_sum(seeds, run.values).wait()  # after every bucket: the same collective order on every rank
+        return loss_sum[0].wait()
 
     def _start_loss_sum(self, seeds: list[torch.Tensor], values: list[tuple[str, Box, torch.Tensor]] = ()) -> AsyncHandle:
         """Start summing every rank's seeded (value-part or whole) scalar loss pieces; ``.wait()`` gives the loss.

@@ -1,9 +1,10 @@
-"""Running a pipelined rank module: its ``SCHEDULE`` of F/B/W actions over segments, in that order.
+"""Running a rank module: its ``SCHEDULE`` of F/B/W actions over segments, in that order.
 
 The generated module (``codegen.segments``) gives one function per segment and the boundary
-messages of each. This runner:
+messages of each; a plan that is not pipelined has one segment, run ``["0F0", "0B0"]``. This runner:
 
-- runs ``prologue`` once (no gradients), then each action of ``SCHEDULE`` in order;
+- runs ``prologue`` once (no gradients; a module without one has nothing to run before its
+  segments), then each action of ``SCHEDULE`` in order;
 - ``F(s, m)``: receives the segment's boundary inputs (from itself when the producing segment is
   on this rank), makes each one whose gradient goes back a leaf that requires grad — so the
   segment's backward stops at its own inputs —, runs the segment function with a fresh token and
@@ -26,6 +27,8 @@ its buckets starting during the rank's last backward action (``GradientReducer``
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -88,16 +91,22 @@ class PipelineRun:
                 parsed.append((kind, int(stage), int(microbatch)))
         return parsed
 
-    def run(self, *, backward: bool, loss_scale: float | torch.Tensor, before_last_backward=None, trace: bool = False) -> list[torch.Tensor]:
+    def run(
+        self, *, backward: bool, loss_scale: float | torch.Tensor, before_last_backward: Callable[[], None] | None = None,
+        after_last_forward: Callable[[], None] | None = None, trace: bool = False,
+    ) -> list[torch.Tensor]:
         """Run the prologue and every action; returns the seeded loss pieces (detached).
 
-        ``before_last_backward()`` is called right before the last action that accumulates
-        parameter gradients (the reducer's buckets start during it).
+        ``after_last_forward()`` is called right after the rank's last forward action, when every seed
+        and value is known (the loss sum starts then); ``before_last_backward()`` right before the last
+        action that accumulates parameter gradients (the reducer's buckets start during it). Every
+        rank's last forward comes before its last accumulating action, so the two start in the same
+        order on every rank.
         """
-        import time
-
-        with torch.no_grad():
-            self.shared, _ = self.module.prologue(self.held, self.communicator, torch.zeros((), device=self.device))
+        prologue = getattr(self.module, "prologue", None)
+        if prologue is not None:
+            with torch.no_grad():
+                self.shared, _ = prologue(self.held, self.communicator, torch.zeros((), device=self.device))
         self.values = [
             (name, box, self.shared[var]) for name, var, box, counted, segment in getattr(self.module, "VALUE_PIECES", ())
             if counted and tuple(segment) == PROLOGUE
@@ -106,6 +115,9 @@ class PipelineRun:
         self.with_backward = {(stage, microbatch) for kind, stage, microbatch in actions if kind != "F"}
         accumulating = "W" if any(kind == "W" for kind, _, _ in actions) else "B"
         last = max((index for index, (kind, _, _) in enumerate(actions) if kind == accumulating), default=None)
+        last_forward = max((index for index, (kind, _, _) in enumerate(actions) if kind == "F"), default=-1)
+        if last_forward < 0 and after_last_forward is not None:
+            after_last_forward()
         for index, (kind, stage, microbatch) in enumerate(actions):
             if index == last and before_last_backward is not None:
                 before_last_backward()
@@ -118,6 +130,8 @@ class PipelineRun:
                 self.weights(stage, microbatch)
             if trace:
                 self.executed.append((f"{stage}{kind}{microbatch}", start, time.perf_counter()))
+            if index == last_forward and after_last_forward is not None:
+                after_last_forward()
         return self.seeds
 
     def forward(self, stage: int, microbatch: int, backward: bool) -> None:
@@ -168,13 +182,16 @@ class PipelineRun:
             if value.requires_grad:
                 roots.append(value)
                 gradients.append(gradient)
+        unscaled = not isinstance(loss_scale, torch.Tensor) and loss_scale == 1.0
         for seed in entry.seeds:
             if seed.requires_grad:
                 roots.append(seed)
-                gradients.append(torch.ones_like(seed) * loss_scale)
+                gradients.append(None if unscaled else torch.ones_like(seed) * loss_scale)
+        # Seeding one scalar root: the token's chain replays the segment's inline communication, and
+        # no explicit-gradient check runs (its first call imports sympy: seconds, once per process).
         root = entry.token * 0
         for tensor, gradient in zip(roots, gradients):
-            root = root + (tensor * gradient).sum()
+            root = root + (tensor.sum() if gradient is None else (tensor * gradient).sum())
         leaves = [tensor for tensor in entry.received.values() if tensor.requires_grad]
         if input_gradients_only:
             grads = torch.autograd.grad(root, leaves, retain_graph=True, allow_unused=True) if leaves else ()

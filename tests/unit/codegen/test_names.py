@@ -76,7 +76,7 @@ def test_models_with_colliding_names_verify(model: type[nn.Module], recipe: str)
     plan = lnn.parallelize(model(), (torch.randn(4, 8, 8),), recipe, 2, allow_partial=True)
     plan.verify()
     for source in plan.sources:
-        forward = source[source.index("def forward") :]
+        forward = source[source.index("def stage0_microbatch0") : source.index("\nSEGMENTS = ")]
         assigned = {line.split("=")[0].strip() for line in forward.splitlines() if " = " in line}
         assigned = {name for target in assigned for name in target.replace(",", " ").split()}
         assert not {name for name in assigned if is_reserved(name) and name != "token"}, source

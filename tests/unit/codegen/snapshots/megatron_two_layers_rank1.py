@@ -24,13 +24,16 @@ GRADIENT_GROUPS = [  # (state_dict key, box, ranks whose gradients of that box a
 ]
 GROUPS = []  # every rank creates these, in this order
 ZERO_STAGE = 0  # replicated boxes: 0 all-reduce, 1 sharded optimizer state, 3 sharded at rest
-OUTPUTS = [  # (graph output, variable, starts backward)
-    ('sum_1', 'sum_1', False),
+OUTPUTS = [  # (graph output, variable, starts backward, segment)
+    ('sum_1', 'sum_1', False, (0, 0)),
 ]
+SCHEDULE = ['0F0', '0B0']  # this rank's segments: F forward, B backward, W weight gradients (stage, kind, microbatch)
+BOUNDARY_IN = {}  # segment: messages received before its forward, in order (tag, from rank, shape, dtype, gradient goes back)
+BOUNDARY_OUT = {}  # segment: messages sent after its forward, in order (tag, to rank, gradient comes back)
 
 
-def forward(held, communicator, token):
-    """Run rank 1's part of the step; returns (outputs by graph name, token)."""
+def stage0_microbatch0(held, shared, received, communicator, token):
+    """Stage 0, microbatch 0: returns (sent by tag, outputs by graph name, token)."""
     args_0 = held['args_0']  # (4, 8)
     p_module_first_weight = held['p_module_first_weight']  # (4, 8)
     p_module_first_bias = held['p_module_first_bias']  # (4,)
@@ -43,4 +46,7 @@ def forward(held, communicator, token):
     token = comm.send(token, linear_1, 0, 1, communicator)
     linear_1_assembled = assemble((4, 4), torch.float32, [(linear_1_from_0, (slice(0, 4), slice(0, 4))), (linear_1, (slice(0, 4), slice(0, 4)))])  # %linear_1
     sum_1 = aten.sum.default(linear_1_assembled)  # sum_1.1: ()
-    return {'sum_1': sum_1}, token
+    return {}, {'sum_1': sum_1}, token
+
+
+SEGMENTS = {(0, 0): stage0_microbatch0}
