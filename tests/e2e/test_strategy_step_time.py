@@ -19,7 +19,7 @@ import lightning as L  # noqa: E402 - after lightning_nnscaler
 from lightning.pytorch.loggers import WandbLogger  # noqa: E402
 
 from lightning_runs import GLOBAL_BATCH, ScheduledGPT, TokenDataset  # noqa: E402
-from wandb_runs import read_wandb_run  # noqa: E402
+from wandb_runs import read_wandb_run, wait_for_finished_run  # noqa: E402
 
 STEPS = MEASURED_AFTER + 3
 
@@ -41,7 +41,8 @@ def test_wandb_summary_holds_the_predicted_and_measured_step_and_their_ratio(
         logger=WandbLogger(save_dir=str(tmp_path), offline=True, project="lightning-nnscaler-tests"),
     )
     trainer.fit(model, train)
-    wandb.finish()  # flush the offline run's files
+    wandb.finish()
+    wait_for_finished_run(tmp_path)
 
     config, summary, history, _ = read_wandb_run(tmp_path)
     predicted, measured = summary[PREDICTED_STEP_KEY], summary[MEASURED_STEP_KEY]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,3 +52,18 @@ def read_wandb_run(save_dir: Path) -> tuple[dict[str, Any], dict[str, Any], dict
                 if not key.startswith("_") and key not in ("epoch", "trainer/global_step"):
                     history.setdefault(key, []).append((row["trainer/global_step"], value))
     return config, summary, history, run_file.parent / "files"
+
+
+def wait_for_finished_run(save_dir: Path, timeout: float = 60.0) -> None:
+    """Wait until the offline run's file ends with its ``exit`` record: W&B's service can still be
+    writing it when ``wandb.finish()`` returns in the same process (an early read found no records)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for run_file in save_dir.glob("wandb/offline-run-*/run-*.wandb"):
+            try:
+                if any(record.WhichOneof("record_type") == "exit" for record in wandb_records(run_file)):
+                    return
+            except Exception:  # a record still being written does not parse yet
+                pass
+        time.sleep(0.1)
+    raise TimeoutError(f"no finished W&B run under {save_dir} after {timeout} s")
