@@ -158,19 +158,22 @@ class Plan:
         gradient reduction's part). ``explain()``, ``draw()`` and the strategy's logged plan all show these rows."""
         return memory_rows(self.program, self.graph.parameters, self.pipeline, zero_stage=self.zero_stage)
 
-    def draw(self, path: str | os.PathLike[str]) -> Path:
-        """Write the plan picture to ``path`` (PNG): per-rank memory bars and the per-rank timeline of one
-        step (compute, communication, idle; a pipeline's schedule), from a simple cost estimate."""
-        from lightning_nnscaler.draw import draw_plan  # matplotlib only when drawing
+    def draw(self, path: str | os.PathLike[str], spec: Any = "a100") -> Path:
+        """Write the plan picture to ``path`` (PNG): per-rank predicted memory bars and the simulated
+        timeline of one step on the hardware ``spec`` (a shipped spec's name, a YAML path or a
+        ``sim.HardwareSpec``; default ``sim.predict``'s): forward, backward (a pipeline's F, B and W by
+        name), optimizer, communication and idle spans, with the predicted step time in the title."""
+        from lightning_nnscaler.draw import draw_plan  # matplotlib and the simulator only when drawing
 
-        return draw_plan(self, path)
+        return draw_plan(self, path, spec)
 
     def explain(self, spec: str | None = None) -> str:
         """The ``memory_rows`` as a table: per rank, parameter, gradient, optimizer (Adam assumed),
         activation and transient bytes, and bytes sent per step; footnotes state the assumptions.
 
-        With ``spec`` (a hardware spec name such as ``"h100"`` or a YAML path, see ``sim.specs``), a last
-        line gives the simulated step time on that hardware (roofline op costs, α–β communication)."""
+        With ``spec`` (a hardware spec name such as ``"h100"`` or a YAML path, see ``sim.specs``), the
+        simulated step on that hardware follows (roofline op costs, α–β communication): per rank its
+        busy, communication and idle milliseconds and peak memory, and last the ``Prediction.summary`` line."""
         title = f"plan {self.plan_hash[:12]}: recipe {self.recipe} {self.params} on {self.world_size} ranks" + (
             f", ZeRO stage {self.zero_stage}" if self.zero_stage else ""
         )
@@ -182,7 +185,7 @@ class Plan:
         if spec is not None:
             from lightning_nnscaler.sim import predict  # the simulator only when asked
 
-            lines += ["", predict(self, spec).summary()]
+            lines += ["", predict(self, spec).table()]
         return "\n".join(lines)
 
 

@@ -95,6 +95,8 @@ class JobConfig:
     """Per data-parallel replica (a DataLoader's batch_size)."""
     world_size: int | None = None
     """Ranks to plan for (the ``plan`` command); None: ``trainer.devices × trainer.num_nodes``."""
+    spec: str | None = None
+    """Hardware spec the ``plan`` command predicts on (a shipped spec's name or a YAML path); None: that of ``trainer``'s devices."""
     evaluations: int = 5
     threads_per_rank: int = 1
 
@@ -127,13 +129,15 @@ def job_config(cfg: DictConfig) -> JobConfig:
         raise ConfigError(f"model: expected a mapping with _target_ (a LightningModule class), got {model!r}")
     job = JobConfig(
         model=model, data=data, recipe=recipe, trainer=trainer, logger=logger, sample=sample,
-        **{key: container[key] for key in ("seed", "batch_size", "world_size", "evaluations", "threads_per_rank") if key in container},
+        **{key: container[key] for key in ("seed", "batch_size", "world_size", "spec", "evaluations", "threads_per_rank") if key in container},
     )
     for key in ("batch_size", "evaluations", "threads_per_rank"):
         _positive_int(key, getattr(job, key))
     _positive_int("seed", job.seed, minimum=0)
     if job.world_size is not None:
         _positive_int("world_size", job.world_size)
+    if job.spec is not None:
+        _hardware_spec(job.spec)
     for key in ("seq_len", "max_files"):
         if getattr(data, key) is not None:
             _positive_int(f"data.{key}", getattr(data, key))
@@ -192,6 +196,15 @@ def _trainer(section: Any) -> dict[str, Any]:
         if key not in accepted:
             raise ConfigError(f"trainer.{key}: not a lightning.Trainer argument (strategy, logger and callbacks are set by the app)")
     return dict(section)
+
+
+def _hardware_spec(name: Any) -> None:
+    from lightning_nnscaler.sim.specs import load_spec
+
+    try:
+        load_spec(str(name))
+    except (FileNotFoundError, ValueError) as error:
+        raise ConfigError(f"spec={name!r}: {error}") from None
 
 
 def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:

@@ -123,12 +123,15 @@ class JobReport(Callback):
             return
         job, record = self.job, self.record
         plan = trainer.strategy.plan
-        picture = _draw(plan, self.run_dir, trainer.logger)
+        predicted = getattr(trainer.strategy, "predicted_step", None)
+        picture = _draw(plan, self.run_dir, trainer.logger, predicted)
         result: dict[str, Any] = {
             "recipe": job.recipe.name, "params": job.recipe.params, "world_size": trainer.world_size,
             "plan_hash": plan.plan_hash if plan is not None else None,
             "steps": len(record.train_losses),
             "step_time_s": statistics.median(record.step_seconds[1:] or record.step_seconds),  # the first step plans
+            "predicted_step_time_s": predicted.step_seconds if predicted is not None else None,
+            "predicted_spec": predicted.spec if predicted is not None else None,
             "peak_memory_bytes": record.peak_memory_bytes,
             "first_train_loss": record.train_losses[0] if record.train_losses else math.nan,
             "final_train_loss": record.train_losses[-1] if record.train_losses else math.nan,
@@ -145,8 +148,10 @@ class JobReport(Callback):
         _report(result, self.run_dir)
 
 
-def _draw(plan: Any, run_dir: Path, logger: Any) -> Path | None:
-    """The plan picture beside the run; logged to W&B as an image, with the memory table, when W&B logs."""
+def _draw(plan: Any, run_dir: Path, logger: Any, predicted: Any) -> Path | None:
+    """The plan picture beside the run, its timeline simulated on the spec the strategy predicted the
+    logged step on (``predicted``: ``step_timing.PredictedStep``; None when the simulator failed, and
+    then no picture); logged to W&B as an image, with the memory table, when W&B logs."""
     if plan is None:
         return None
     from lightning.pytorch.loggers import WandbLogger
@@ -154,9 +159,10 @@ def _draw(plan: Any, run_dir: Path, logger: Any) -> Path | None:
     from lightning_nnscaler.draw import draw_plan, memory_rows
     from lightning_nnscaler.explain import ROW_KEYS
 
-    picture = draw_plan(plan, run_dir / PLAN_PICTURE)
+    picture = draw_plan(plan, run_dir / PLAN_PICTURE, predicted.spec) if predicted is not None else None
     if isinstance(logger, WandbLogger):
-        logger.log_image(key="plan", images=[str(picture)], caption=[f"recipe {plan.recipe} on {plan.world_size} ranks"])
+        if picture is not None:
+            logger.log_image(key="plan", images=[str(picture)], caption=[f"recipe {plan.recipe} on {plan.world_size} ranks"])
         columns = ["rank", *ROW_KEYS]
         rows = [[rank, *(row[key] for key in ROW_KEYS)] for rank, row in enumerate(memory_rows(plan))]
         logger.log_table(key="plan_memory_bytes", columns=columns, data=rows)
@@ -168,5 +174,10 @@ def _report(result: dict[str, Any], run_dir: Path) -> None:
     if validation:
         print(f"validation loss {validation[0][1]:.3f} (step {validation[0][0]}) -> {validation[-1][1]:.3f} (step {validation[-1][0]})")
     print(f"train loss {result['first_train_loss']:.3f} -> {result['final_train_loss']:.3f} over {result['steps']} steps; "
-          f"step {result['step_time_s'] * 1e3:.0f} ms; plan {str(result['plan_hash'])[:12]}")
+          f"step {result['step_time_s'] * 1e3:.0f} ms{_predicted(result)}; plan {str(result['plan_hash'])[:12]}")
     print(f"run folder: {run_dir} (plan picture: {result['plan_picture']})")
+
+
+def _predicted(result: dict[str, Any]) -> str:
+    seconds = result["predicted_step_time_s"]
+    return f" (predicted {seconds * 1e3:.0f} ms on {result['predicted_spec']})" if seconds is not None else ""

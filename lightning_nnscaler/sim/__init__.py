@@ -13,9 +13,9 @@
 from lightning_nnscaler.sim.costs import CommModel, OpTime, Roofline, op_work
 from lightning_nnscaler.sim.predict import DeviceModel, Prediction, predict
 from lightning_nnscaler.sim.simulate import Machine, SimResult, simulate
-from lightning_nnscaler.sim.specs import HardwareSpec, available_specs, load_spec
+from lightning_nnscaler.sim.specs import HardwareSpec, available_specs, load_spec, spec_for_device
 
 __all__ = [
     "CommModel", "DeviceModel", "HardwareSpec", "Machine", "OpTime", "Prediction", "Roofline", "SimResult",
-    "available_specs", "load_spec", "op_work", "predict", "simulate",
+    "available_specs", "load_spec", "op_work", "predict", "simulate", "spec_for_device",
 ]

@@ -12,6 +12,8 @@ does: the prologue once, then per ``F(s, m)`` the boundary receives, the segment
 the boundary sends; per ``B`` the gradient receives, the segment's backward (half of it when the
 schedule splits W off), the gradient sends; ``W`` the other half. Activations (the outputs an op
 keeps for backward, as ``explain`` counts them) are added at F and freed at the last backward half.
+Each of these compute tasks is labelled with its action (``1F0``; the prologue ``prologue``), so a
+recorded timeline names it.
 """
 
 from __future__ import annotations
@@ -117,11 +119,11 @@ class TaskBuilder:
 
     # --- forward and backward of one segment -----------------------------------------------------------
 
-    def _forward(self, segment: _Segment, rank: int, keep: bool = True) -> list[Task]:
+    def _forward(self, segment: _Segment, rank: int, keep: bool = True, label: str = "") -> list[Task]:
         tasks: list[Task] = []
         for item in segment.items:
             if isinstance(item, _Chunk):
-                tasks.append(Compute(item.forward, "forward", activation_bytes=item.kept if keep else 0))
+                tasks.append(Compute(item.forward, "forward", label, activation_bytes=item.kept if keep else 0))
             elif isinstance(item, SendAction):
                 tasks.append(Send(item.dst, self.message_bytes.get((rank, item.dst, item.tag), 0)))
             elif isinstance(item, RecvAction):
@@ -130,14 +132,14 @@ class TaskBuilder:
                 tasks.append(CollectiveTask(item.kind, tuple(sorted(item.ranks)), item.bytes_per_device))
         return tasks
 
-    def _backward(self, segment: _Segment, rank: int, share: float, kind: str = "backward", release: bool = True) -> list[Task]:
+    def _backward(self, segment: _Segment, rank: int, share: float, release: bool = True, label: str = "") -> list[Task]:
         tasks: list[Task] = []
         for item in reversed(segment.items):
             if isinstance(item, _Chunk):
                 if item.backward:
-                    tasks.append(Compute(item.backward * share, kind, activation_bytes=-item.kept if release else 0))
+                    tasks.append(Compute(item.backward * share, "backward", label, activation_bytes=-item.kept if release else 0))
                 elif release and item.kept:
-                    tasks.append(Compute(0.0, kind, activation_bytes=-item.kept))
+                    tasks.append(Compute(0.0, "backward", label, activation_bytes=-item.kept))
             elif isinstance(item, SendAction) and self._floating_message(rank, item.dst, item.tag):
                 tasks.append(Recv(item.dst))
             elif isinstance(item, RecvAction) and item.dtype in FLOATING:
@@ -159,22 +161,22 @@ class TaskBuilder:
         tasks: list[Task] = []
         for key, segment in segments.items():
             if key is not None and key[0] < 0:  # the prologue, once, without gradients
-                tasks += self._forward(segment, rank, keep=False)
+                tasks += self._forward(segment, rank, keep=False, label="prologue")
         for action in actions:
             segment = segments.get((action.stage, action.microbatch), _Segment())
             kind = action.kind.value
             if kind == "F":
                 tasks += [Recv(message.src) for message in segment.inputs if message.src != rank]
-                tasks += self._forward(segment, rank, keep=action.stage in backward_stages)
+                tasks += self._forward(segment, rank, keep=action.stage in backward_stages, label=str(action))
                 tasks += [Send(message.dst, self.message_bytes.get((rank, message.dst, message.tag), 0)) for message in segment.outputs if message.dst != rank]
             elif kind == "B":
                 tasks += [Recv(message.dst) for message in segment.outputs if message.dst != rank and message.gradient]
-                tasks += self._backward(segment, rank, 0.5 if splits else 1.0, release=not splits)
+                tasks += self._backward(segment, rank, 0.5 if splits else 1.0, release=not splits, label=str(action))
                 tasks += [Send(message.src, self.message_bytes.get((message.src, rank, message.tag), 0))
                           for message in segment.inputs if message.src != rank and message.gradient]
             else:
                 tasks.append(Compute(sum(item.backward for item in segment.items if isinstance(item, _Chunk)) * 0.5, "weight",
-                                     activation_bytes=-segment.kept))
+                                     str(action), activation_bytes=-segment.kept))
         return tasks
 
     # --- gradient reduction and the optimizer step -------------------------------------------------------

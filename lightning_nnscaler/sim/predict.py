@@ -69,6 +69,21 @@ class Prediction:
         """Per rank, the sum of the memory columns (``explain.MEMORY_KEYS``)."""
         return [sum(row[key] for key in MEMORY_KEYS) for row in self.memory]
 
+    def rank_rows(self) -> list[dict[str, float]]:
+        """Per rank: simulated ``busy_ms`` (compute), ``communication_ms`` and ``idle_ms`` of one step, and ``peak_bytes``."""
+        return [
+            {"busy_ms": stats.busy * 1e3, "communication_ms": stats.communication * 1e3, "idle_ms": stats.idle * 1e3, "peak_bytes": peak}
+            for stats, peak in zip(self.simulation.ranks, self.peak_bytes, strict=True)
+        ]
+
+    def table(self) -> str:
+        """The per-rank rows (``rank_rows``) as text, then the ``summary`` line."""
+        lines = [f"predicted per rank on {self.spec_name}:", f"{'rank':>4} {'busy ms':>12} {'comm ms':>12} {'idle ms':>12} {'peak memory':>12}"]
+        for rank, row in enumerate(self.rank_rows()):
+            times = " ".join(f"{row[key]:>12.3f}" for key in ("busy_ms", "communication_ms", "idle_ms"))
+            lines.append(f"{rank:>4} {times} {human_bytes(row['peak_bytes']):>12}")
+        return "\n".join([*lines, self.summary()])
+
 
 def predict(plan: Any, spec: HardwareSpec | str = "a100", device: DeviceModel | None = None, *, record: bool = False) -> Prediction:
     """Simulate one training step of ``plan`` on ``spec`` (default costs: its roofline).

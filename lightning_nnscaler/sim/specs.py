@@ -9,6 +9,7 @@ cores its ranks share (``cores_per_node``); the GPU files come from public datas
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 import yaml
 
 SPEC_DIRECTORY = Path(__file__).resolve().parent / "specs"
+FALLBACK_GPU_SPEC = "a100"
+"""What a GPU without a shipped spec is predicted on (``predict``'s default: the most common data-centre GPU)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,22 @@ class HardwareSpec:
 def available_specs() -> list[str]:
     """The names of the shipped specs (``load_spec`` accepts each)."""
     return sorted(path.stem for path in SPEC_DIRECTORY.glob("*.yaml"))
+
+
+def spec_for_device(device_name: str) -> tuple[str, str]:
+    """The shipped spec to predict a run on ``device_name`` with, and a note when none matches.
+
+    ``"cpu"`` gets the measured ``cpu`` spec; a GPU gets the shipped spec whose name is a word of its own
+    (``"NVIDIA H100 80GB HBM3"``: ``h100``; ``"NVIDIA RTX A1000"`` is no A100), else ``FALLBACK_GPU_SPEC``
+    with a note naming the device.
+    """
+    name = device_name.lower()
+    if name == "cpu":
+        return "cpu", ""
+    for spec in available_specs():
+        if spec != "cpu" and re.search(rf"\b{re.escape(spec)}\b", name):
+            return spec, ""
+    return FALLBACK_GPU_SPEC, f"no shipped spec matches {device_name!r}: predicted on {FALLBACK_GPU_SPEC}"
 
 
 def load_spec(name_or_path: str | os.PathLike[str]) -> HardwareSpec:

@@ -25,6 +25,9 @@ step happens:
   are views of the reducer's buckets (no second copy of the gradients). Unless something could
   tell the difference, the optimizer steps each bucket as soon as its sum arrives, while later
   buckets are still being summed (``overlap.OverlappedStep``).
+- **step time**: rank 0 predicts the first plan's step with the simulator on the spec matching its
+  device and logs it with the plan; it times every optimizer step and logs the median at the end of
+  the fit, with its ratio to the prediction (``strategy.step_timing``, ``strategy.plan_logging``).
 - **validation / test / predict** run the user's own steps on the full LightningModule, refreshed
   from every rank's shards first (``_refresh_module``); so does the end of training.
 - **checkpoints** are sharded directories: every rank writes its own pieces atomically, rank 0 the
@@ -90,7 +93,8 @@ from lightning_nnscaler.strategy.gradients import (
     GradientStash, clip_grad_norm, gradient_holders, move_param_groups, piece_locations, replica_counts, zero_grad_observers,
 )
 from lightning_nnscaler.strategy.overlap import OverlappedStep, reasons_not_to_overlap
-from lightning_nnscaler.strategy.plan_logging import log_plan
+from lightning_nnscaler.strategy.plan_logging import log_measured_step, log_plan
+from lightning_nnscaler.strategy.step_timing import PredictedStep, StepTimer, predict_step
 from lightning_nnscaler.plans.layout import RecipeLayout
 from lightning_nnscaler.strategy.planning import (
     batch_signature, check_fits, check_new_signature, check_recipe, check_supported, graph_inputs, plan_training_step, share_pieces,
@@ -172,6 +176,10 @@ class NnScalerStrategy(ParallelStrategy):
         self._locations: dict[int, PieceLocation] = {}
         self._module_is_stale = False
         self._layout: Optional[RecipeLayout] = None
+        self.predicted_step: Optional[PredictedStep] = None
+        """Rank 0: the simulated step of the first plan (``step_timing.predict_step``; None if it failed)."""
+        self.step_timer: Optional[StepTimer] = None
+        """Rank 0: this fit's optimizer step times (``step_timing.StepTimer``); its median is logged at the end."""
 
     # --- devices, ranks, launch ----------------------------------------------------------------
 
@@ -353,7 +361,8 @@ class NnScalerStrategy(ParallelStrategy):
         )
         self._overlap = None if self.overlap_off_reasons else OverlappedStep(self.optimizers[0])
         rank_zero_debug(f"NnScalerStrategy: optimizer step overlapped with the gradient sums: {', '.join(self.overlap_off_reasons) or 'yes'}")
-        log_plan(module.loggers, plan)  # rank 0: recipe, parameters, plan hash, memory estimate, code
+        self.predicted_step = predict_step(plan, self.root_device) if self.global_rank == 0 else None
+        log_plan(module.loggers, plan, self.predicted_step)  # rank 0: recipe, parameters, plan hash, memory estimate, code, prediction
 
     # --- training --------------------------------------------------------------------------------
 
@@ -408,7 +417,11 @@ class NnScalerStrategy(ParallelStrategy):
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: Optional[Union[LightningModule, torch.nn.Module]] = None, **kwargs: Any
     ) -> Any:
-        """Lightning's optimizer step, then the executor's (ZeRO) bookkeeping."""
+        """Lightning's optimizer step (its closure runs ``training_step`` and ``backward``), then the
+        executor's (ZeRO) bookkeeping; timed for the measured step (``step_timing.StepTimer``)."""
+        timer = self.step_timer
+        if timer is not None:
+            timer.start()
         try:
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         finally:
@@ -417,6 +430,8 @@ class NnScalerStrategy(ParallelStrategy):
         if self.executor is not None:
             self.executor.after_optimizer_step()  # ZeRO gathers the updated chunks, or releases the boxes
             self._module_is_stale = True
+        if timer is not None:
+            timer.stop()
         return output
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
@@ -469,9 +484,17 @@ class NnScalerStrategy(ParallelStrategy):
         self._refresh_module()
 
     @override
+    def on_train_start(self) -> None:
+        """Start measuring this fit's optimizer steps (rank 0, which logs them)."""
+        self.step_timer = StepTimer(self.root_device) if self.global_rank == 0 else None
+
+    @override
     def on_train_end(self) -> None:
-        """Leave the trained weights in the LightningModule the user holds."""
+        """Leave the trained weights in the LightningModule the user holds; log the measured step (rank 0)."""
         self._refresh_module()
+        measured = self.step_timer.median_seconds() if self.step_timer is not None else None
+        if measured is not None and self.lightning_module is not None:
+            log_measured_step(self.lightning_module.loggers, measured, self.predicted_step, self.lightning_module.trainer.global_step)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

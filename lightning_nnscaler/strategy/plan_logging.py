@@ -4,7 +4,12 @@ plan itself: ``lightning_nnscaler.logged_values``).
 **The plan** (``log_plan``, once per fit, when the first batch was planned): every logger's
 ``log_hyperparams`` gets the plan summary (recipe and parameters, world size, plan hash, and per
 rank the very rows ``Plan.explain`` prints: memory estimate and bytes sent per step); a ``WandbLogger`` also gets it in the run summary, with the generated per-rank
-code saved among the run's files.
+code saved among the run's files. With them, the predicted step (``step_timing.predict_step``):
+``nnscaler/predicted_step_ms`` and the spec it was predicted on, ``nnscaler/predicted_spec``.
+
+**The measured step** (``log_measured_step``, at the end of the fit): ``nnscaler/measured_step_ms``
+(``step_timing.StepTimer``'s median) and ``nnscaler/measured_over_predicted`` go to every logger's
+``log_metrics`` (and so to a W&B run's summary).
 """
 
 from __future__ import annotations
@@ -18,11 +23,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_nnscaler.explain import COMMUNICATION_CONVENTION, MEMORY_KEYS, OPTIMIZER_ASSUMPTION, TRANSIENT_NOTE
 from lightning_nnscaler.parallelize import Plan
+from lightning_nnscaler.strategy.step_timing import PredictedStep
 
 PLAN_KEY = "nnscaler"
 """The hyperparameter (and W&B config) key that holds the plan summary."""
 CODE_FOLDER = "nnscaler_code"
 """Folder of a W&B run's files that holds the generated code (``<plan hash>/rank{r}.py``)."""
+PREDICTED_STEP_KEY = f"{PLAN_KEY}/predicted_step_ms"
+PREDICTED_SPEC_KEY = f"{PLAN_KEY}/predicted_spec"
+MEASURED_STEP_KEY = f"{PLAN_KEY}/measured_step_ms"
+MEASURED_OVER_PREDICTED_KEY = f"{PLAN_KEY}/measured_over_predicted"
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
@@ -43,18 +53,40 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
     }
 
 
-@rank_zero_only
-def log_plan(loggers: Iterable[Logger], plan: Plan) -> None:
-    """Log the plan (``plan_summary``, under the key ``PLAN_KEY``) to every logger; rank 0 only.
+def predicted_values(predicted: PredictedStep | None) -> dict[str, Any]:
+    """``{PREDICTED_STEP_KEY: ms, PREDICTED_SPEC_KEY: the spec's device}`` (and why that spec, when it is
+    not the device's own); nothing when there is no prediction."""
+    if predicted is None:
+        return {}
+    spec = predicted.spec_name + (f" ({predicted.note})" if predicted.note else "")
+    return {PREDICTED_STEP_KEY: predicted.step_seconds * 1e3, PREDICTED_SPEC_KEY: spec}
 
-    A ``WandbLogger`` also gets the plan hash and each rank's total memory estimate in the run summary,
-    and the generated code as ``CODE_FOLDER/<plan hash>/rank{r}.py`` among the run's files.
+
+@rank_zero_only
+def log_plan(loggers: Iterable[Logger], plan: Plan, predicted: PredictedStep | None = None) -> None:
+    """Log the plan (``plan_summary``, under the key ``PLAN_KEY``) and its ``predicted`` step
+    (``predicted_values``) to every logger; rank 0 only.
+
+    A ``WandbLogger`` also gets the plan hash, each rank's total memory estimate and the predicted step
+    in the run summary, and the generated code as ``CODE_FOLDER/<plan hash>/rank{r}.py`` among the run's files.
     """
     summary = plan_summary(plan)
+    prediction = predicted_values(predicted)
     for logger in loggers:
-        logger.log_hyperparams({PLAN_KEY: summary})
+        logger.log_hyperparams({PLAN_KEY: summary, **prediction})
         if isinstance(logger, WandbLogger):
             run = logger.experiment
             totals = {f"{PLAN_KEY}/memory/{rank}/total_bytes": row["total_bytes"] for rank, row in summary["memory"].items()}
-            run.summary.update({f"{PLAN_KEY}/plan_hash": plan.plan_hash, **totals})
+            run.summary.update({f"{PLAN_KEY}/plan_hash": plan.plan_hash, **totals, **prediction})
             plan.save_code(Path(run.dir) / CODE_FOLDER)  # files in the run's folder are kept with the run
+
+
+@rank_zero_only
+def log_measured_step(loggers: Iterable[Logger], measured_seconds: float, predicted: PredictedStep | None, step: int) -> None:
+    """Log the fit's measured step (``MEASURED_STEP_KEY``, ms) and, with a prediction, measured / predicted
+    (``MEASURED_OVER_PREDICTED_KEY``) as metrics at ``step`` to every logger; rank 0 only."""
+    metrics = {MEASURED_STEP_KEY: measured_seconds * 1e3}
+    if predicted is not None and predicted.step_seconds > 0:
+        metrics[MEASURED_OVER_PREDICTED_KEY] = measured_seconds / predicted.step_seconds
+    for logger in loggers:
+        logger.log_metrics(metrics, step=step)

@@ -77,10 +77,16 @@ def test_a_three_recipe_sweep_writes_one_comparison_row_per_recipe(
 
 @pytest.mark.timeout(120)
 def test_plan_command_prints_per_rank_parameters_equal_to_the_generated_code(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """``lightning-nnscaler plan model=gpt recipe=tp world_size=8``: no processes; table, code and plan.png."""
-    assert cli.main(["plan", "--out", str(tmp_path), "model=gpt", "recipe=tp", "world_size=8"]) == 0
+    """``lightning-nnscaler plan model=gpt recipe=tp world_size=8 spec=h100``: no processes; table, the
+    simulated step on the H100 spec (per rank and the summary line), code and plan.png."""
+    assert cli.main(["plan", "--out", str(tmp_path), "model=gpt", "recipe=tp", "world_size=8", "spec=h100"]) == 0
     printed = capsys.readouterr().out
     assert "recipe tp" in printed and "on 8 ranks" in printed
+    assert "hardware spec 'h100' (spec=h100):" in printed
+    rows = re.findall(r"^\s+(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+[0-9.]+ (?:B|KiB|MiB|GiB)$", printed, re.M)
+    assert [int(rank) for rank, *_ in rows] == list(range(8)) and all(float(busy) > 0 for _, busy, _, _ in rows)
+    predicted = re.search(r"^predicted step on H100-SXM5-80GB: ([0-9.]+) ms \(simulated; bubble", printed, re.M)
+    assert predicted and float(predicted.group(1)) > 0
     counts = {int(rank): int(count) for rank, count in re.findall(r"rank (\d+): (\d+) parameters", printed)}
     assert sorted(counts) == list(range(8))
     (code_dir,) = [path for path in tmp_path.iterdir() if path.is_dir()]

@@ -8,10 +8,7 @@ One launch trains both strategies (``feature_runs.features_worker``); the tests 
 from __future__ import annotations
 
 import csv
-import json
 import os
-import struct
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +23,7 @@ from feature_runs import (  # noqa: E402 - after lightning_nnscaler
     MAX_EPOCHS, STEPS_PER_EPOCH, build_evaluated_model, features_worker, loaders,
 )
 from lightning_runs import GLOBAL_BATCH, build_model, parity_worker, single_device_run  # noqa: E402
+from wandb_runs import read_wandb_run  # noqa: E402
 
 STOP_EPOCH = 3  # where EARLY_STOPPING stops this run (see feature_runs.EARLY_STOPPING)
 
@@ -66,50 +64,6 @@ def read_tensorboard_scalars(save_dir: Path) -> dict[str, list[tuple[int, float]
     events = EventAccumulator(str(versions[0]), size_guidance={"scalars": 0})
     events.Reload()
     return {tag: [(event.step, event.value) for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-
-
-def wandb_records(run_file: Path) -> Iterator[Any]:
-    """The records of an offline W&B run's ``.wandb`` file: W&B's LevelDB-style log (a 7-byte header
-    ``:W&B`` + magic + version, then 32 KiB blocks of chunks ``crc u32, length u16, type u8`` where type
-    1 is a whole record and 2/3/4 its first/middle/last piece), each record a ``wandb_internal_pb2.Record``."""
-    from wandb.proto import wandb_internal_pb2
-
-    block, header, chunk_header = 32768, 7, 7
-    data = run_file.read_bytes()
-    assert data[:4] == b":W&B", f"{run_file} is not a W&B run file"
-    position, pending = header, b""
-    while position + chunk_header <= len(data):
-        if block - position % block < chunk_header:  # a block's tail too short for a chunk is padding
-            position += block - position % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[position : position + chunk_header])
-        pending += data[position + chunk_header : position + chunk_header + length]
-        position += chunk_header + length
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            yield record
-
-
-def read_wandb_run(save_dir: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, list[tuple[int, float]]], Path]:
-    """The offline run's config, final summary, history ``(trainer/global_step, value)`` per metric and files folder."""
-    (run_file,) = save_dir.glob("wandb/offline-run-*/run-*.wandb")
-    config: dict[str, Any] = {}
-    summary: dict[str, Any] = {}
-    history: dict[str, list[tuple[int, float]]] = {}
-    for record in wandb_records(run_file):
-        kind = record.WhichOneof("record_type")
-        if kind == "config":
-            config.update({item.key: json.loads(item.value_json) for item in record.config.update})
-        elif kind == "summary":
-            summary.update({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.summary.update})
-        elif kind == "history":
-            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-            for key, value in row.items():
-                if not key.startswith("_") and key not in ("epoch", "trainer/global_step"):
-                    history.setdefault(key, []).append((row["trainer/global_step"], value))
-    return config, summary, history, run_file.parent / "files"
 
 
 def assert_series_close(actual: list[tuple[int, float]], expected: list[tuple[int, float]]) -> None:

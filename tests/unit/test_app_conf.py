@@ -112,6 +112,7 @@ def test_a_catalog_recipe_without_a_conf_file_gets_a_generated_entry(tmp_path: P
         (["batch_size=abc"], "batch_size"),
         (["data.validation_batches=0"], "data.validation_batches"),
         (["logger.kind=mlflow"], "logger.kind"),
+        (["spec=tpu9"], "spec"),
     ],
 )
 def test_a_bad_override_fails_naming_the_key(overrides: list[str], key: str) -> None:
@@ -138,28 +139,21 @@ def test_data_the_model_cannot_take_fails_naming_data() -> None:
         build_loaders(job.data, instantiate(job.model), job.batch_size, 2, job.seed)
 
 
+def test_the_plan_command_predicts_on_the_spec_asked_for_else_on_the_trainers_devices() -> None:
+    import torch
+
+    from lightning_nnscaler.app.plan_command import prediction_spec
+
+    assert prediction_spec(job_config(composed("spec=h200"))) == ("h200", "spec=h200")
+    assert prediction_spec(job_config(composed())) == ("cpu", "trainer.accelerator=cpu")
+    if not torch.cuda.is_available():
+        spec, reason = prediction_spec(job_config(composed("trainer=gpu")))
+        assert spec == "a100" and "no GPU here" in reason
+
+
 def test_cli_hands_hydra_flags_of_train_and_plan_through_untouched() -> None:
     from lightning_nnscaler.cli import split_hydra_command
 
     assert split_hydra_command(["train", "-m", "recipe=dp,tp"]) == ([], ["train", "-m", "recipe=dp,tp"])
     assert split_hydra_command(["--import", "my.recipes", "plan", "world_size=8"]) == (["--import", "my.recipes"], ["plan", "world_size=8"])
     assert split_hydra_command(["recipes"]) is None
-
-
-@pytest.mark.parametrize(("recipe", "world_size"), [("tp", 2), ("1f1b", 4)])
-def test_plan_picture_timeline_is_ordered_and_colours_compute_communication_and_idle(recipe: str, world_size: int, tmp_path: Path) -> None:
-    from lightning_nnscaler.draw import draw_plan, pipeline_timeline, timeline
-    from lightning_nnscaler.models import GPT, GPTConfig
-
-    model = GPT(GPTConfig(vocab_size=64, seq_len=8, hidden=16, layers=2, heads=2))
-    plan = lnn.parallelize(model, model.example_batch(4), recipe, world_size=world_size, step="training_step")
-    spans = pipeline_timeline(plan) if plan.pipeline is not None else timeline(plan.program)
-    assert len(spans) == world_size
-    for rank_spans in spans:
-        assert {"compute", "communication"} <= {span.kind for span in rank_spans}
-        assert all(span.end >= span.start for span in rank_spans)
-        assert all(before.end <= after.start + 1e-12 for before, after in zip(rank_spans, rank_spans[1:]))
-    if recipe == "1f1b":
-        assert all("backward" in {span.kind for span in rank_spans} for rank_spans in spans)
-        assert any(span.kind == "idle" for rank_spans in spans for span in rank_spans)  # the pipeline bubble
-    assert draw_plan(plan, tmp_path / "plan.png").stat().st_size > 10_000

@@ -30,11 +30,11 @@ ALLOWED: dict[str, set[str]] = {
     "logged_values": {"ir", "capture", "plans"},
     "explain": {"ir", "materialize", "plans"},
     "parallelize": {"ir", "capture", "plans", "schedules", "materialize", "codegen", "runtime", "verify", "draw", "explain", "logged_values", "sim"},
-    "strategy": {"ir", "capture", "plans", "codegen", "runtime", "checkpoint", "parallelize", "explain"},
+    "strategy": {"ir", "capture", "plans", "codegen", "runtime", "checkpoint", "parallelize", "explain", "sim"},
     "data": set(),
-    "draw": {"ir", "materialize", "schedules", "explain"},
+    "draw": {"explain", "sim"},  # the picture is the simulator's timeline
     "sim": {"ir", "materialize", "schedules", "plans", "explain"},  # the simulator reads plans; nothing below imports it
-    "app": {"data", "draw", "explain", "parallelize", "plans", "strategy"},
+    "app": {"data", "draw", "explain", "parallelize", "plans", "sim", "strategy"},
     "train": {"app"},
     "cli": {"ir", "plans", "recipes", "checkpoint", "parallelize", "app"},
 }
