@@ -5,10 +5,12 @@ For each schedule (GPipe, 1F1B, interleaved 1F1B with v=2, ZB-H1) and m microbat
 
 1. *ours*: the plan from ``lnn.parallelize(..., stages=p, microbatches=m)`` run by ``RankExecutor``
    on spawned processes (torch.distributed over gloo, every wait bounded by a timeout); warm-up
-   steps, then timed ``forward_backward`` steps (barrier before and after each). The measured
-   bubble of a rank is ``1 - compute / step wall time``, compute being the time inside F/B/W actions
-   less the time those actions spent blocked in ``recv`` (waiting for a peer is bubble). It is
-   averaged over ranks and timed steps and printed next to the textbook value:
+   steps, then timed ``forward_backward`` steps (barrier before and after each). Two measured
+   bubbles, compute being the time inside F/B/W actions less the time those actions spent blocked
+   in ``recv`` or a collective (waiting for a peer is bubble): *bubble (step)*, a rank's
+   ``1 - compute / step wall time`` averaged over ranks and steps (everything outside the actions
+   counts as idle), and *bubble (schedule)*, ``1 - sum of compute / (ranks × span of the actions)``
+   (``schedule_bubble``: the textbook's quantity). They are printed next to the textbook value:
    (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1), and for ZB-H1 the symbolic execution of our
    schedule with F = B = W (``schedules.bubble_fraction``; about a third of 1F1B's bubble).
 2. Peak activation bytes per rank: bytes of distinct storages saved for backward
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -107,6 +110,7 @@ class Settings(Measurement):
     seq_len: int = 64
     vocab: int = 512
     batch: int = 16
+    rounds: int = 3
 
     def gpt_config(self) -> GPTConfig:
         """The GPT's shape."""
@@ -396,20 +400,40 @@ def run_ours(rank: int, settings: AnySettings, payload: PlanPayload) -> dict[str
     for _ in range(settings.warmup):
         synced_step(step)
     executor.trace_actions = True
-    times, bubbles, outside, trace, waits = [], [], [], [], []
+    times, bubbles, outside, computes, spans, trace, waits = [], [], [], [], [], [], []
     for _ in range(settings.steps):
         communicator.waits.clear()
         wall = synced_step(step)
         trace, waits = list(executor.executed_actions), list(communicator.waits)
         times.append(wall)
-        bubbles.append(1.0 - compute_seconds(trace, waits) / wall)
+        computes.append(compute_seconds(trace, waits))
+        bubbles.append(1.0 - computes[-1] / wall)
         outside.append(wall - (trace[-1][2] - trace[0][1]) if trace else wall)
+        spans.append((trace[0][1], trace[-1][2]) if trace else (math.inf, -math.inf))
     executor.trace_actions = False
     excluded = {tensor.untyped_storage().data_ptr() for tensor in executor.held.values() if tensor.numel()}
     meter = ActivationMeter(excluded)
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         synced_step(step)
-    return {"times": times, "bubbles": bubbles, "outside": outside, "peak": meter.peak, "total": meter.total, "trace": trace, "waits": waits}
+    return {
+        "times": times, "bubbles": bubbles, "outside": outside, "computes": computes, "spans": spans,
+        "peak": meter.peak, "total": meter.total, "trace": trace, "waits": waits,
+    }
+
+
+def schedule_bubble(ours: list[dict[str, Any]]) -> float:
+    """The bubble inside the schedule, as the textbook counts it: per timed step, ``1 - sum of the ranks'
+    compute / (ranks × span)``, the span running from the first action any rank starts to the last one
+    any rank ends (``perf_counter`` is one monotonic clock for every process of the machine); mean over
+    the steps. What runs before the first action or after the last (the prologue, the gradient and
+    loss sums, the barriers) is left out: it is the step's overhead, not the schedule's bubble."""
+    bubbles = []
+    for step in range(len(ours[0]["spans"])):
+        start = min(result["spans"][step][0] for result in ours)
+        end = max(result["spans"][step][1] for result in ours)
+        compute = sum(result["computes"][step] for result in ours)
+        bubbles.append(1.0 - compute / (len(ours) * (end - start)))
+    return mean(bubbles)
 
 
 # --- torch.distributed.pipelining (ranks) -----------------------------------------------------------
@@ -512,14 +536,15 @@ def run_peer(rank: int, settings: Settings, payload: PlanPayload, broken: list[s
 
 
 def rank_main(rank: int, world_size: int, settings: Settings, payloads: list[PlanPayload]) -> dict[str, Any]:
-    """Every schedule on this rank: ours first, then torch's; results by schedule name."""
+    """Every schedule on this rank, ours then torch's, in ``settings.rounds`` rounds (a machine whose
+    speed drifts over minutes slows both sides of a round alike); per schedule name, a list of rounds each."""
     torch.set_num_threads(1)  # the ranks share the cores: more intra-op threads only contend
-    results: dict[str, Any] = {name: {} for name in SCHEDULES}
-    for payload in payloads:
-        results[payload.name]["ours"] = run_ours(rank, settings, payload)
+    results: dict[str, Any] = {name: {"ours": [], "torch": []} for name in SCHEDULES}
     broken: list[str] = []
-    for payload in payloads:
-        results[payload.name]["torch"] = run_peer(rank, settings, payload, broken)
+    for _ in range(settings.rounds):
+        for payload in payloads:
+            results[payload.name]["ours"].append(run_ours(rank, settings, payload))
+            results[payload.name]["torch"].append(run_peer(rank, settings, payload, broken))
     return results
 
 
@@ -562,20 +587,25 @@ def root_error(errors: list[str | None]) -> str | None:
 
 def table(per_rank: list[dict[str, Any]], settings: Settings) -> str:
     """The summary table, one row per schedule."""
-    header = ["schedule", "ours ms/step", "torch ms/step", "ratio", "measured bubble", "theory bubble",
+    header = ["schedule", "ours ms/step", "torch ms/step", "ratio [min, max]", "bubble (step)", "bubble (schedule)", "theory bubble",
               *(f"act stage{rank}" for rank in range(settings.stages))]
     rows = []
     for name in SCHEDULES:
-        ours = [results[name]["ours"] for results in per_rank]
-        ours_ms = step_ms([result["times"] for result in ours])
-        error = root_error([results[name]["torch"].get("error") for results in per_rank])
-        torch_ms = None if error else step_ms([results[name]["torch"]["times"] for results in per_rank])
-        bubble = mean([value for result in ours for value in result["bubbles"]])
+        rounds = range(settings.rounds)
+        ours_rounds = [[results[name]["ours"][index] for results in per_rank] for index in rounds]
+        ours_ms = [step_ms([result["times"] for result in ours]) for ours in ours_rounds]
+        error = root_error([result.get("error") for results in per_rank for result in results[name]["torch"]])
+        torch_ms = None if error else [step_ms([results[name]["torch"][index]["times"] for results in per_rank]) for index in rounds]
+        ratios = None if torch_ms is None else sorted(ours / theirs for ours, theirs in zip(ours_ms, torch_ms))
+        bubble = mean([value for ours in ours_rounds for result in ours for value in result["bubbles"]])
         expected = expected_in_flight(name, settings)
-        memory = [f"{result['peak'] * settings.microbatches / result['total']:.2f} ({expected[rank]:g})" for rank, result in enumerate(ours)]
+        memory = [
+            f"{result['peak'] * settings.microbatches / result['total']:.2f} ({expected[rank]:g})" for rank, result in enumerate(ours_rounds[-1])
+        ]
         rows.append([
-            name, f"{ours_ms:.1f}", "n/a" if torch_ms is None else f"{torch_ms:.1f}",
-            "n/a" if torch_ms is None else f"{ours_ms / torch_ms:.2f}", f"{bubble:.3f}", f"{theory_bubble(name, settings):.3f}", *memory,
+            name, f"{statistics.median(ours_ms):.1f}", "n/a" if torch_ms is None else f"{statistics.median(torch_ms):.1f}",
+            "n/a" if ratios is None else f"{statistics.median(ratios):.2f} [{ratios[0]:.2f}, {ratios[-1]:.2f}]", f"{bubble:.3f}",
+            f"{mean([schedule_bubble(ours) for ours in ours_rounds]):.3f}", f"{theory_bubble(name, settings):.3f}", *memory,
         ])
         if error:
             rows[-1].append(f"torch: {error}")
@@ -587,22 +617,22 @@ def table(per_rank: list[dict[str, Any]], settings: Settings) -> str:
     return "\n".join(lines)
 
 
-def timeline(per_rank: list[dict[str, Any]], name: str, columns: int = 100) -> str:
-    """Each rank's last timed step of ``name`` as a bar: digit k = F of microbatch k, letter a.. = B,
-    A.. = W, '.' = idle or waiting for a peer."""
-    starts = [result[name]["ours"]["trace"][0][1] for result in per_rank if result[name]["ours"]["trace"]]
-    ends = [result[name]["ours"]["trace"][-1][2] for result in per_rank if result[name]["ours"]["trace"]]
+def timeline(ours: list[dict[str, Any]], name: str, columns: int = 100) -> str:
+    """Each rank's last timed step (``ours[rank]``: ``run_ours``'s result) of ``name`` as a bar: digit k =
+    F of microbatch k, letter a.. = B, A.. = W, '.' = idle or waiting for a peer."""
+    starts = [result["trace"][0][1] for result in ours if result["trace"]]
+    ends = [result["trace"][-1][2] for result in ours if result["trace"]]
     origin, span = min(starts), max(ends) - min(starts)
     lines = [f"{name}: executed actions of the last timed step ({1e3 * span:.0f} ms, {span * 1e3 / columns:.1f} ms per column; "
              "digit k: F of microbatch k, a..: B, A..: W, '.': idle or receiving)"]
-    for rank, results in enumerate(per_rank):
+    for rank, result in enumerate(ours):
         cells = ["."] * columns
-        for text, start, end in results[name]["ours"]["trace"]:
+        for text, start, end in result["trace"]:
             _, kind, microbatch = _parse(text)
             mark = str(microbatch % 10) if kind == "F" else chr((ord("a") if kind == "B" else ord("A")) + microbatch % 26)
             for column in range(_column(start, origin, span, columns), _column(end, origin, span, columns)):
                 cells[column] = mark
-        for start, end in results[name]["ours"]["waits"]:
+        for start, end in result["waits"]:
             for column in range(_column(start, origin, span, columns), _column(end, origin, span, columns)):
                 cells[column] = "."
         lines.append(f"rank {rank} |{''.join(cells)}|")
@@ -716,7 +746,7 @@ def run_recycling(quick: bool, steps: int | None) -> None:
           "measured bubble: mean over ranks and timed steps; theory: bubble_fraction of the schedule (F = 1, B = 2)")
     print("act stageN: peak saved-for-backward bytes / one microbatch of that rank's gradient stage (schedule's peak in-flight count)")
     for name in schedules:
-        print(timeline(per_rank, name))
+        print(timeline([results[name]["ours"] for results in per_rank], name))
     print(f"wall time {time.perf_counter() - started:.0f} s")
 
 
@@ -748,7 +778,7 @@ def run_vocabulary(quick: bool, steps: int | None) -> None:
           "a shared stage's action as long as a stage's)")
     print("act stageN: peak saved-for-backward bytes / one microbatch of that rank's actions (schedule's peak in-flight count)")
     for name in schedules:
-        print(timeline(per_rank, name))
+        print(timeline([results[name]["ours"] for results in per_rank], name))
     print(f"wall time {time.perf_counter() - started:.0f} s")
 
 
@@ -783,12 +813,15 @@ def run_gpt(quick: bool, steps: int | None) -> None:
     except LaunchError as error:
         raise SystemExit(f"benchmark failed: {error}") from None
     print(table(per_rank, settings))
-    print("ms/step: median over timed steps of the slowest rank; measured bubble: mean over ranks and timed steps")
+    print(f"ms/step: median over {settings.rounds} rounds (ours then torch, schedule by schedule) of the median over timed steps of the "
+          "slowest rank; ratio: median of the rounds' ours / torch [lowest, highest]; bubble (step): mean over ranks and timed steps of 1 - compute / wall; "
+          "bubble (schedule): 1 - compute / (ranks × span from the first action to the last), mean over timed steps")
     print("act stageN: peak saved-for-backward bytes / one microbatch of that rank's stage(s) (schedule's expected in-flight count)")
     print("of the step, outside the action list (prologue, loss sum, barriers; counted as bubble), ms: " + ", ".join(
-        f"{name} {1e3 * mean([value for results in per_rank for value in results[name]['ours']['outside']]):.1f}" for name in SCHEDULES
+        f"{name} {1e3 * mean([value for results in per_rank for ours in results[name]['ours'] for value in ours['outside']]):.1f}"
+        for name in SCHEDULES
     ))
-    print(timeline(per_rank, "1f1b"))
+    print(timeline([results["1f1b"]["ours"][-1] for results in per_rank], "1f1b"))
     print(f"wall time {time.perf_counter() - started:.0f} s")
 
 
