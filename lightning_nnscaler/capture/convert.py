@@ -12,7 +12,7 @@ from torch import fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from lightning_nnscaler.capture.packed import HeadView, PackedProjection, head_views, packed_projections
+from lightning_nnscaler.capture.packed import FlattenedLinear, HeadView, PackedProjection, flattened_linears, head_views, packed_projections
 from lightning_nnscaler.capture.random_ops import RANDOM_HANDLERS
 from lightning_nnscaler.ir.rules import annotate_op
 from lightning_nnscaler.ir.rules.networks import POINTWISE_LOSSES
@@ -48,7 +48,7 @@ class _Converter:
         self.values: dict[fx.Node, Any] = {}
         self.op_names: set[str] = set()
         self.view_bases: dict[fx.Node, fx.Node] = {}
-        self.rewrites: dict[fx.Node, PackedProjection | HeadView] = {}
+        self.rewrites: dict[fx.Node, PackedProjection | HeadView | FlattenedLinear] = {}
         self.skipped: set[fx.Node] = set()
 
     def unique(self, name: str, taken: Any) -> str:
@@ -76,9 +76,10 @@ class _Converter:
         return self.graph
 
     def plan_rewrites(self, parameters: set[fx.Node]) -> None:
-        """Find the packed q/k/v projections and ``B·H`` head views to capture by heads (see ``capture.packed``)."""
+        """Find the packed q/k/v projections and ``B·H`` head views to capture by heads, and the linears over
+        merged leading dims to capture with the batch apart (see ``capture.packed``)."""
         graph = self.exported.graph
-        for rewrite in [*packed_projections(graph, parameters), *head_views(graph)]:
+        for rewrite in [*packed_projections(graph, parameters), *head_views(graph), *flattened_linears(graph)]:
             first = rewrite.linear if isinstance(rewrite, PackedProjection) else rewrite.first
             self.rewrites[first] = rewrite
             self.skipped.update(rewrite.skipped)
@@ -101,6 +102,15 @@ class _Converter:
         value = chain.first.meta["val"]
         heads = self.emit(chain.first.name, "aten.view.default", [source, list(chain.heads_shape)], {}, value.new_empty(chain.heads_shape), no_grad)
         self.values[chain.last] = self.emit(f"{chain.first.name}_heads", "aten.permute.default", [heads, [1, 2, 0, 3]], {}, chain.last.meta["val"], no_grad)
+
+    def flattened_linear(self, chain: FlattenedLinear, no_grad: bool) -> None:
+        """``linear(x.reshape(*lead, E))`` in place of the reshape to ``(prod(lead), E)``, the linear and the view back."""
+        source = self.values[chain.first.args[0]]
+        value = chain.first.meta["val"]
+        target = _SAME_AS.get(str(chain.first.target), str(chain.first.target))
+        kept = self.emit(chain.first.name, target, [source, list(chain.kept_shape)], {}, value.new_empty(chain.kept_shape), no_grad)
+        arguments = [kept, *(self.values[arg] if isinstance(arg, fx.Node) else arg for arg in chain.linear.args[1:])]
+        self.values[chain.last] = self.emit(chain.linear.name, "aten.linear.default", arguments, {}, chain.last.meta["val"], no_grad)
 
     def placeholder(self, node: fx.Node, spec: Any) -> None:
         role = _ROLE.get(spec.kind)
@@ -132,7 +142,8 @@ class _Converter:
             return
         rewrite = self.rewrites.get(node)
         if rewrite is not None:
-            (self.packed_projection if isinstance(rewrite, PackedProjection) else self.head_view)(rewrite, no_grad)  # type: ignore[arg-type]
+            handlers = {PackedProjection: self.packed_projection, HeadView: self.head_view, FlattenedLinear: self.flattened_linear}
+            handlers[type(rewrite)](rewrite, no_grad)  # type: ignore[operator]
             return
         if node.target is operator.getitem:
             self.values[node] = self.values[node.args[0]][node.args[1]]

@@ -12,10 +12,15 @@ and ``B·H`` puts the heads in the inner factor of a merged dim. Two exact rewri
   gives each rank exactly its heads' rows of q, k and v, and their gradients land in those rows.
 - `head_views`: ``x.view(L, B·H, D).transpose(0, 1).view(B, H, L, D)`` becomes
   ``x.view(L, B, H, D).permute(1, 2, 0, 3)``: the same tensor, with the heads a dim of their own.
+- `flattened_linears`: the output projection's ``x.reshape(L·B, E)`` → ``linear`` → ``.view(L, B, O)``
+  becomes ``linear(x.reshape(L, B, E))``: a linear acts on the last dim alone, so keeping the
+  leading dims apart computes the same, and the batch stays a dim of its own (``L·B`` puts it in
+  the inner factor of a merged dim, which no microbatch or replica split can cut).
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 
@@ -55,6 +60,18 @@ class HeadView:
     last: fx.Node
     heads_shape: tuple[int, int, int, int]
     """``(L, B, H, D)``: the shape of the view that replaces the first one."""
+    skipped: tuple[fx.Node, ...]
+
+
+@dataclass(frozen=True)
+class FlattenedLinear:
+    """``reshape(x, (N, E)) -> linear -> view(*lead, O)`` where ``x`` is ``(*lead, *tail)``, ``N = prod(lead)``."""
+
+    first: fx.Node
+    linear: fx.Node
+    last: fx.Node
+    kept_shape: tuple[int, ...]
+    """``(*lead, E)``: the shape of the reshape that replaces the first one."""
     skipped: tuple[fx.Node, ...]
 
 
@@ -146,4 +163,22 @@ def head_views(graph: fx.Graph) -> list[HeadView]:
         if merged != (length, batch * heads, head_size) or batch_heads != (batch, heads, length, head_size) or source[2] != heads * head_size:
             continue
         found.append(HeadView(node, last, (length, batch, heads, head_size), (transpose, last)))
+    return found
+
+
+def flattened_linears(graph: fx.Graph) -> list[FlattenedLinear]:
+    """Every reshape to 2-D that merges leading dims only for one linear whose output is viewed back to them."""
+    found = []
+    for node in graph.nodes:
+        if not any(_is_call(node, view) for view in _VIEWS) or not isinstance(node.args[0], fx.Node):
+            continue
+        linear = _only_user(node)
+        last = _only_user(linear) if _is_call(linear, LINEAR) and linear.args[0] is node else None
+        if last is None or not any(_is_call(last, view) for view in _VIEWS):
+            continue
+        source, flat, out = _shape(node.args[0]), _shape(node), _shape(last)
+        lead = out[:-1]
+        if len(flat) != 2 or len(lead) < 2 or source[: len(lead)] != lead or math.prod(lead) != flat[0] or _shape(linear) != (flat[0], out[-1]):
+            continue
+        found.append(FlattenedLinear(node, linear, last, (*lead, flat[1]), (linear, last)))
     return found
