@@ -190,8 +190,8 @@ class RankExecutor:
 
         Runs the module's ``SCHEDULE`` (``runtime.pipeline``; one forward and one backward when the
         plan is not pipelined). Gradients accumulate into the pieces' ``.grad`` as in torch. The whole
-        loss is summed over the ranks while backward runs (an asynchronous sum started after the
-        rank's last forward, waited for at the end).
+        loss is summed over the ranks: while backward runs (an asynchronous sum started after the
+        forward, waited for at the end), or in a pipeline after its last action.
 
         Args:
             inputs: The batch by graph input name (the rank's replica's share, see ``input_offsets``);
@@ -216,16 +216,20 @@ class RankExecutor:
         if backward:
             self.reducer.before_backward(False)  # accumulate over the microbatches; sum during the last backward
         loss_sum: list[AsyncHandle] = []
+        # Without messages between segments (a plan that does not pipeline) the loss sum overlaps
+        # backward. A pipeline starts it once its messages and gradient sums are done: a collective in
+        # flight beside point-to-point messages could be ordered differently on each rank (NCCL).
+        overlapped = not (self.module.BOUNDARY_IN or self.module.BOUNDARY_OUT)
         run.run(
             backward=backward, loss_scale=loss_scale, trace=self.trace_actions,
-            after_last_forward=lambda: loss_sum.append(self._start_loss_sum(run.seeds, run.values)),
+            after_last_forward=(lambda: loss_sum.append(self._start_loss_sum(run.seeds, run.values))) if overlapped else None,
             before_last_backward=(lambda: self.reducer.before_backward(reduce_gradients)) if backward else None,
         )
         self.executed_actions = run.executed
         self.communicator.wait_sends()
         if backward:
             self.reducer.after_backward()
-        return loss_sum[0].wait()
+        return (loss_sum[0] if overlapped else self._start_loss_sum(run.seeds, run.values)).wait()
 
     def _start_loss_sum(self, seeds: list[torch.Tensor], values: list[tuple[str, Box, torch.Tensor]] = ()) -> AsyncHandle:
         """Start summing every rank's seeded (value-part or whole) scalar loss pieces; ``.wait()`` gives the loss.

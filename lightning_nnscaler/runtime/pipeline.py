@@ -98,10 +98,8 @@ class PipelineRun:
         """Run the prologue and every action; returns the seeded loss pieces (detached).
 
         ``after_last_forward()`` is called right after the rank's last forward action, when every seed
-        and value is known (the loss sum starts then); ``before_last_backward()`` right before the last
-        action that accumulates parameter gradients (the reducer's buckets start during it). Every
-        rank's last forward comes before its last accumulating action, so the two start in the same
-        order on every rank.
+        and value is known; ``before_last_backward()`` right before the last action that accumulates
+        parameter gradients (the reducer's buckets start during it).
         """
         prologue = getattr(self.module, "prologue", None)
         if prologue is not None:
