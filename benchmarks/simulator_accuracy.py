@@ -48,6 +48,7 @@ from lightning_nnscaler.runtime import TorchDistributedCommunicator
 from lightning_nnscaler.runtime.executor import RankExecutor
 from lightning_nnscaler.sim import CommModel, DeviceModel, Machine, Roofline, load_spec, predict, simulate
 from lightning_nnscaler.sim.analytic import TransformerShape, transformer_task_lists
+from lightning_nnscaler.sim.meter import SavedMeter
 from lightning_nnscaler.sim.profile import ProfileDB, Profiled
 
 PLANS: list[tuple[str, str, int, dict[str, Any]]] = [
@@ -118,8 +119,8 @@ def rank_main(rank: int, world_size: int, payload: Payload) -> dict[str, Any]:
     """Warm-up, timed steps, and one metered step of the plan on this rank."""
     executor, optimizer, step = timed_plan(rank, payload)
     times = [step() for _ in range(payload.steps)]
-    meter = _Meter({tensor.untyped_storage().data_ptr() for tensor in executor.held.values() if tensor.numel()})
-    with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda saved: saved[0]):
+    meter = SavedMeter({tensor.untyped_storage().data_ptr() for tensor in executor.held.values() if tensor.numel()})
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         step()
     return {"times": times, "memory": held_bytes(executor, optimizer) + meter.peak}
 
@@ -136,36 +137,6 @@ def held_bytes(executor: RankExecutor, optimizer: torch.optim.Optimizer) -> int:
             tensors.append(bucket.buffer)
     storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in tensors}
     return sum(nbytes for pointer, nbytes in storages.items() if pointer)
-
-
-class _Meter:
-    """Peak bytes of distinct storages saved for backward (parameters excluded)."""
-
-    def __init__(self, excluded: set[int]) -> None:
-        self.excluded, self.live, self.current, self.peak = excluded, {}, 0, 0
-
-    def pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in self.excluded or not storage.nbytes():
-            return tensor, None
-        if key not in self.live:
-            self.current += storage.nbytes()
-            self.peak = max(self.peak, self.current)
-            self.live[key] = 0
-        self.live[key] += 1
-        return tensor, _Release(self, key, storage.nbytes())
-
-
-class _Release:
-    def __init__(self, meter: _Meter, key: int, nbytes: int) -> None:
-        self.meter, self.key, self.nbytes = meter, key, nbytes
-
-    def __del__(self) -> None:
-        self.meter.live[self.key] -= 1
-        if not self.meter.live[self.key]:
-            del self.meter.live[self.key]
-            self.meter.current -= self.nbytes
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:

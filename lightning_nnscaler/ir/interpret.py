@@ -10,7 +10,7 @@ correctness oracle: no communication, no devices, just the masks' arithmetic.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -44,15 +44,24 @@ def run_graph(graph: Graph, inputs: dict[str, torch.Tensor]) -> dict[str, torch.
     return {name: assemble(pieces, graph.tensors[name].full()) for name in graph.outputs}
 
 
-def _run_op(op: Op, pieces: Pieces) -> None:
-    args, kwargs = op.map_tensor_inputs(lambda _, piece: assemble(pieces, piece, reader=op.name))
+def call_op(op: Op, value_of: Callable[[int, VTensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Run ``op`` once with ``value_of(i, piece)`` for its input piece ``i`` (under ``no_grad`` when the op is); returns its results.
+
+    Raises:
+        InterpretError: the operator raised (the message names the op).
+    """
+    args, kwargs = op.map_tensor_inputs(value_of)
     grad_mode = torch.no_grad() if op.no_grad else contextlib.nullcontext()
     with grad_mode:
         try:
             result = resolve_target(op.target)(*args, **dict(kwargs))
         except Exception as error:  # noqa: BLE001 - name the op whatever failed
             raise InterpretError(f"op {op.name!r} ({op.target}) failed: {error}") from error
-    results = result if isinstance(result, (tuple, list)) else (result,)
+    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+
+
+def _run_op(op: Op, pieces: Pieces) -> None:
+    results = call_op(op, lambda _, piece: assemble(pieces, piece, reader=op.name))
     for output, value in zip(op.outputs, results, strict=True):
         if tuple(value.shape) != output.shape:
             raise InterpretError(f"op {op.name!r} ({op.target}) wrote shape {tuple(value.shape)} for {output}, planned {output.shape}")

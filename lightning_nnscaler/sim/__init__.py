@@ -7,6 +7,8 @@
   scheduling for dedicated devices; ``events``: an event heap for ranks sharing CPU cores; ``results``).
 - ``calibrate``: the microbenchmarks behind the measured ``cpu`` spec (``benchmarks/calibrate_comm.py``).
 - ``from_plan`` / ``predict``: a Plan's task lists and its predicted step time and memory.
+- ``saved`` / ``kept``: what autograd saves per op (measured on ``meta``) and the activation bytes a rank keeps;
+  ``meter``: the saved-for-backward peak metered while a program runs.
 - ``analytic``: dp × tp × pp transformer plans built from shapes alone (GPT-3 175B on 1024 GPUs).
 """
 

@@ -10,8 +10,9 @@ before the forward), the AdamW step over what the rank steps, and the loss sum.
 Pipelined plans run the schedule's actions (``PipelinePlan.actions(rank)``) as ``runtime.pipeline``
 does: the prologue once, then per ``F(s, m)`` the boundary receives, the segment's forward and
 the boundary sends; per ``B`` the gradient receives, the segment's backward (half of it when the
-schedule splits W off), the gradient sends; ``W`` the other half. Activations (the outputs an op
-keeps for backward, as ``explain`` counts them) are added at F and freed at the last backward half.
+schedule splits W off), the gradient sends; ``W`` the other half. Activations (what autograd saves
+for backward, ``sim.kept``; ``explain`` counts every op output instead) are added at F and freed at
+the last backward half.
 Each of these compute tasks is labelled with its action (``1F0``; the prologue ``prologue``), so a
 recorded timeline names it.
 """
@@ -25,6 +26,7 @@ from typing import Any
 from lightning_nnscaler.ir.tensor import dtype_bytes
 from lightning_nnscaler.materialize.program import Assemble, Collective, Compute as ComputeAction, Program, Recv as RecvAction, Send as SendAction
 from lightning_nnscaler.sim.costs import FLOATING, ComputeModel
+from lightning_nnscaler.sim.kept import KeptBytes
 from lightning_nnscaler.sim.tasks import Collective as CollectiveTask, Compute, Recv, Send, Task, WaitCollectives
 
 BUCKET_BYTES = 25 * 1024 * 1024
@@ -69,6 +71,10 @@ class TaskBuilder:
             for rank_program in self.program.ranks for action in rank_program.actions if isinstance(action, RecvAction)
         }
         self.element_bytes = {tensor.name: dtype_bytes(tensor.dtype) for tensor in plan.graph.parameters}
+        self.trained = {tensor.name for tensor in plan.graph.parameters if tensor.requires_grad}
+
+    def _trains(self, name: str) -> bool:
+        return name in self.trained
 
     def lists(self) -> list[list[Task]]:
         """Every rank's tasks for one training step."""
@@ -93,8 +99,10 @@ class TaskBuilder:
 
     def _segments(self, rank: int) -> dict[Any, _Segment]:
         segments: dict[Any, _Segment] = {}
+        kept = KeptBytes(self.program.ranks[rank], self._trains)
         for action in self.program.ranks[rank].actions:
             segment = segments.setdefault(action.segment, _Segment())
+            kept.follow(action)
             if isinstance(action, ComputeAction):
                 chunk = segment.items[-1] if segment.items and isinstance(segment.items[-1], _Chunk) else None
                 if chunk is None:
@@ -104,8 +112,7 @@ class TaskBuilder:
                 recomputed = action.op.recompute is not None
                 chunk.forward += time.forward
                 chunk.backward += time.backward + (time.forward if recomputed and time.backward else 0.0)
-                if not recomputed and not action.op.no_grad:
-                    chunk.kept += sum(math.prod(output.shape) * dtype_bytes(output.tensor.dtype) for output in action.op.outputs)
+                chunk.kept += kept.kept(action)
             elif isinstance(action, Assemble):
                 nbytes = math.prod(action.piece.shape) * dtype_bytes(action.piece.tensor.dtype)
                 segment.items.append(_Chunk(self.compute.copy_seconds(nbytes), self.compute.copy_seconds(nbytes)))

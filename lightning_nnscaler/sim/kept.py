@@ -1,0 +1,95 @@
+"""Activation bytes a rank keeps for backward, op by op, from what autograd saves (``sim.saved``).
+
+A rank's variables are followed through its actions: which require grad (trainable parameter
+pieces, and whatever a differentiable op, collective or assembly makes of them; floating boundary
+receives), and which are views of another (an op's output that ``saved_by`` found sharing an input's
+storage, a single-slice assembly). Each op adds to its segment the bytes of the saved variables'
+roots not yet counted there, plus its own buffers; parameter, buffer and constant pieces are not
+counted (the measurement, ``sim.meter``, excludes them). Recomputed and no-grad ops keep nothing;
+an op that cannot run on ``meta`` keeps all its outputs (counted in ``fallbacks``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Hashable
+
+from lightning_nnscaler.ir.tensor import VTensor, dtype_bytes
+from lightning_nnscaler.materialize.program import Action, Assemble, Collective, Compute, Recv, RankProgram
+from lightning_nnscaler.sim.costs import FLOATING
+from lightning_nnscaler.sim.saved import saved_by
+
+UNCOUNTED_ROLES = ("parameter", "buffer", "constant")
+
+
+class KeptBytes:
+    """One rank's kept activation bytes; call ``follow`` on each action in program order, ``kept`` on computes."""
+
+    def __init__(self, program: RankProgram, trains: Callable[[str], bool]) -> None:
+        self.uncounted = {local.var for local in program.inputs if local.role in UNCOUNTED_ROLES}
+        self.grad = {local.var for local in program.inputs if local.role == "parameter" and trains(local.name)}
+        self.roots: dict[str, str] = {}
+        self.nbytes: dict[str, int] = {}
+        self.counted: dict[Hashable, set[str]] = {}
+        self.fallbacks = 0
+        """Ops whose saved tensors could not be measured (all their outputs counted)."""
+
+    def root(self, var: str) -> str:
+        """The variable whose storage ``var`` views (``var`` itself when it owns one)."""
+        return self.roots.get(var, var)
+
+    def follow(self, action: Action) -> None:
+        """Carry requires-grad and views through a communication or assembly action."""
+        if isinstance(action, Assemble) and not action.zeros:
+            if any(fragment.var in self.grad for fragment in action.fragments):
+                self.grad.add(action.var)
+            if len(action.fragments) == 1 and all(
+                region.start in (0, None) and region.stop == size for region, size in zip(action.fragments[0].target_region, action.piece.shape)
+            ):
+                self.roots[action.var] = self.root(action.fragments[0].var)
+        elif isinstance(action, Collective) and action.source_var in self.grad:
+            self.grad.add(action.var)
+        elif isinstance(action, Recv) and action.dtype in FLOATING and action.gradient:
+            self.grad.add(action.var)
+
+    def kept(self, action: Compute) -> int:
+        """Bytes ``action``'s op adds to its segment's kept activations (0 for recomputed and no-grad ops)."""
+        op = action.op
+        pieces = op.tensor_inputs
+        for var, piece in zip(action.input_vars, pieces):
+            self.nbytes.setdefault(var, _bytes(piece))
+        for var, piece in zip(action.output_vars, op.outputs):
+            self.nbytes.setdefault(var, _bytes(piece))
+        requires_grad = [var in self.grad for var in action.input_vars]
+        if op.no_grad:
+            return 0
+        if any(requires_grad):
+            self.grad.update(var for var, piece in zip(action.output_vars, op.outputs) if piece.tensor.dtype in FLOATING)
+        else:
+            return 0  # nothing to differentiate: autograd saves nothing
+        saved = saved_by(op, requires_grad)
+        if saved is not None:
+            for output, position in saved.aliases:
+                self.roots[action.output_vars[output]] = self.root(action.input_vars[position])
+        if op.recompute is not None:
+            return 0
+        if saved is None:
+            self.fallbacks += 1
+            return self._count(action.segment, action.output_vars)
+        variables = [action.input_vars[position] for position in saved.inputs] + [action.output_vars[position] for position in saved.outputs]
+        return self._count(action.segment, variables) + saved.internal_bytes
+
+    def _count(self, segment: Hashable, variables: list[str]) -> int:
+        counted = self.counted.setdefault(segment, set())
+        total = 0
+        for var in variables:
+            root = self.root(var)
+            if root in self.uncounted or root in counted:
+                continue
+            counted.add(root)
+            total += self.nbytes.get(root, self.nbytes[var])
+        return total
+
+
+def _bytes(piece: VTensor) -> int:
+    return math.prod(piece.shape) * dtype_bytes(piece.tensor.dtype)
