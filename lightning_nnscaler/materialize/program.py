@@ -185,9 +185,10 @@ class Program:
     loss: str | None = None
     """The graph output backward starts from (the graph's first output); the others are values summed over the ranks."""
 
-    @property
+    @functools.cached_property
     def pipelined(self) -> bool:
-        """Whether the actions belong to segments that a schedule runs (see the module docstring)."""
+        """Whether the actions belong to segments that a schedule runs (see the module docstring); computed once
+        (codegen asks for each rank, and a plan that does not pipeline has to look at every action to say so)."""
         return any(isinstance(action, Compute) and action.segment is not None for program in self.ranks for action in program.actions)
 
     @functools.cached_property
