@@ -41,6 +41,7 @@ import torch
 
 from lightning_nnscaler.ir.box import Box
 from lightning_nnscaler.ir.tensor import dtype_bytes
+from lightning_nnscaler.materialize.kept import KeptBytes
 from lightning_nnscaler.materialize.program import Collective, Compute, Program, Recv
 from lightning_nnscaler.plans.context import PipelinePlan
 
@@ -65,7 +66,7 @@ def explain_rank(
 ) -> dict[str, int]:
     """Rank ``rank``'s row: bytes held (``MEMORY_KEYS``) and sent per step (see the module docstring).
 
-    Activations are the outputs kept for backward; under a ``pipeline``, the most that its schedule
+    Activations are the tensors autograd saves for backward; under a ``pipeline``, the most that its schedule
     keeps at once (each segment's from its F to its last backward half). ``element_bytes`` maps a
     parameter's graph name to its bytes per element (4 for names it lacks).
     """
@@ -125,12 +126,16 @@ def _add_replicated(row: dict[str, int], zero_stage: int, size: int, chunk: int,
 
 
 def _activations_and_messages(program: Program, rank: int, pipeline: PipelinePlan | None) -> tuple[int, int]:
-    """Activation bytes kept for backward (a pipeline's peak) and the bytes of activation messages this rank sends."""
+    """Activation bytes kept for backward (what autograd saves, ``materialize.kept``; a pipeline's peak) and the
+    bytes of activation messages this rank sends."""
     kept: dict[object, int] = {}
+    trained = {group.name for group in program.gradient_groups}
+    saved = KeptBytes(program.ranks[rank], trained.__contains__)
     sent = 0
     for action in program.ranks[rank].actions:
-        if isinstance(action, Compute) and action.op.recompute is None and not action.op.no_grad:
-            kept[action.segment] = kept.get(action.segment, 0) + sum(_numel_of(output.shape) * dtype_bytes(output.tensor.dtype) for output in action.op.outputs)
+        saved.follow(action)
+        if isinstance(action, Compute):
+            kept[action.segment] = kept.get(action.segment, 0) + saved.kept(action)
         elif isinstance(action, Recv) and action.gradient and _is_floating(action.dtype):
             sent += _numel_of(action.shape) * dtype_bytes(action.dtype)  # the gradient it sends back
         elif isinstance(action, Collective):

@@ -19,6 +19,10 @@ TENSOR_ROLES: tuple[str, ...] = ("input", "parameter", "buffer", "constant", "ac
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1, "int8": 1, "uint8": 1}
 
 
+FLOATING = frozenset({"float16", "bfloat16", "float32", "float64", "complex64", "complex128"})
+"""The dtype names of floating (and complex) tensors: those that carry gradients."""
+
+
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of a dtype name (4 for names not listed)."""
     return DTYPE_BYTES.get(dtype, 4)

@@ -27,7 +27,7 @@ from typing import Protocol
 
 from lightning_nnscaler.explain import ring_bytes as explain_ring_bytes
 from lightning_nnscaler.ir.op import Op
-from lightning_nnscaler.ir.tensor import dtype_bytes
+from lightning_nnscaler.ir.tensor import FLOATING, dtype_bytes
 from lightning_nnscaler.sim.specs import HardwareSpec, Link
 
 MATMULS = frozenset({"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default"})
@@ -40,7 +40,6 @@ VIEWS = frozenset({
     "aten.slice.Tensor", "aten.select.int", "aten.alias.default", "aten.detach.default", "aten.unflatten.int",
     "aten.flatten.using_ints", "aten.split.Tensor", "aten.chunk.default", "aten.unbind.int", "aten.split_with_sizes.default",
 })
-FLOATING = frozenset({"float16", "bfloat16", "float32", "float64", "complex64", "complex128"})
 
 
 @dataclass(frozen=True)

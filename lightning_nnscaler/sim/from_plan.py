@@ -11,7 +11,7 @@ Pipelined plans run the schedule's actions (``PipelinePlan.actions(rank)``) as `
 does: the prologue once, then per ``F(s, m)`` the boundary receives, the segment's forward and
 the boundary sends; per ``B`` the gradient receives, the segment's backward (half of it when the
 schedule splits W off), the gradient sends; ``W`` the other half. Activations (what autograd saves
-for backward, ``sim.kept``; ``explain`` counts every op output instead) are added at F and freed at
+for backward, ``materialize.kept``, as ``explain`` counts them) are added at F and freed at
 the last backward half.
 Each of these compute tasks is labelled with its action (``1F0``; the prologue ``prologue``), so a
 recorded timeline names it.
@@ -26,7 +26,7 @@ from typing import Any
 from lightning_nnscaler.ir.tensor import dtype_bytes
 from lightning_nnscaler.materialize.program import Assemble, Collective, Compute as ComputeAction, Program, Recv as RecvAction, Send as SendAction
 from lightning_nnscaler.sim.costs import FLOATING, ComputeModel
-from lightning_nnscaler.sim.kept import KeptBytes
+from lightning_nnscaler.materialize.kept import KeptBytes
 from lightning_nnscaler.sim.tasks import Collective as CollectiveTask, Compute, Recv, Send, Task, WaitCollectives
 
 BUCKET_BYTES = 25 * 1024 * 1024

@@ -7,7 +7,7 @@ and the last, which are all a 2-stage one has. The plans themselves are proven a
 by verify() at virtual ranks (tests/unit/plans/test_pipeline.py: gpipe and 1f1b at 2, interleaved and
 zb1 at 4, hybrid3d at 8 and 16, 3f1b and interlaced at 8, 1f1b on Swin and mBART at 4), 1f1b, 3f1b and
 interlaced train at 2 real ranks under the Trainer (tests/e2e/test_strategy_parity.py), and interlaced on
-mBART at 2 real ranks too (tests/integration/test_recipes_gloo.py).
+mBART and GPT's gpipe, 1f1b, interleaved and zb1 at 2 real ranks too (tests/integration/test_recipes_gloo.py).
 """
 
 from __future__ import annotations

@@ -19,13 +19,13 @@ def gpt_and_batch():
 
 
 @pytest.mark.parametrize("recipe, params", [("1f1b", {"stages": 2, "microbatches": 2}), ("tp", {}), ("zero3", {})])
-def test_predicted_memory_is_below_explains_count_and_the_step_takes_time(gpt_and_batch, recipe: str, params: dict) -> None:
+def test_predicted_memory_is_explains_and_the_step_takes_time(gpt_and_batch, recipe: str, params: dict) -> None:
     model, batch = gpt_and_batch
     plan = lnn.parallelize(model, batch, recipe, 2, step="training_step", **params)
     prediction = predict(plan, "a100")
     assert prediction.step_seconds > 0
-    rows = plan.memory_rows()  # explain keeps every op output; autograd saves fewer (sim.saved)
-    assert all(0 < predicted["activations"] < row["activations"] for predicted, row in zip(prediction.memory, rows, strict=True))
+    rows = plan.memory_rows()  # both count what autograd saves (materialize.kept), the simulation at its peak over the schedule
+    assert all(0 < predicted["activations"] == row["activations"] for predicted, row in zip(prediction.memory, rows, strict=True))
     assert all(rank.busy > 0 for rank in prediction.simulation.ranks)
 
 

@@ -1,4 +1,4 @@
-"""The predicted activation peak (what autograd saves, ``sim.saved``) against the peak metered while
+"""The predicted activation peak (what autograd saves, ``ir.saved``) against the peak metered while
 the plan's generated code runs (``sim.meter``, every rank in this process as ``Plan.verify`` runs them)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from lightning_nnscaler.runtime.executor import RankExecutor
 from lightning_nnscaler.runtime.memory_comm import run_ranks
 from lightning_nnscaler.sim import predict
 from lightning_nnscaler.sim.meter import SavedMeter
-from lightning_nnscaler.sim.saved import saved_by
+from lightning_nnscaler.ir.saved import saved_by
 
 
 def metered_peaks(plan) -> list[int]:

@@ -1,11 +1,11 @@
-"""Activation bytes a rank keeps for backward, op by op, from what autograd saves (``sim.saved``).
+"""Activation bytes a rank keeps for backward, op by op, from what autograd saves (``ir.saved``).
 
 A rank's variables are followed through its actions: which require grad (trainable parameter
 pieces, and whatever a differentiable op, collective or assembly makes of them; floating boundary
 receives), and which are views of another (an op's output that ``saved_by`` found sharing an input's
 storage, a single-slice assembly). Each op adds to its segment the bytes of the saved variables'
 roots not yet counted there, plus its own buffers; parameter, buffer and constant pieces are not
-counted (the measurement, ``sim.meter``, excludes them). Recomputed and no-grad ops keep nothing;
+counted (the measurement, ``sim.meter``, excludes them). ``explain`` and the simulator both count with it. Recomputed and no-grad ops keep nothing;
 an op that cannot run on ``meta`` keeps all its outputs (counted in ``fallbacks``).
 """
 
@@ -14,10 +14,9 @@ from __future__ import annotations
 import math
 from typing import Callable, Hashable
 
-from lightning_nnscaler.ir.tensor import VTensor, dtype_bytes
+from lightning_nnscaler.ir.saved import saved_by
+from lightning_nnscaler.ir.tensor import FLOATING, VTensor, dtype_bytes
 from lightning_nnscaler.materialize.program import Action, Assemble, Collective, Compute, Recv, RankProgram
-from lightning_nnscaler.sim.costs import FLOATING
-from lightning_nnscaler.sim.saved import saved_by
 
 UNCOUNTED_ROLES = ("parameter", "buffer", "constant")
 
