@@ -80,7 +80,7 @@ class _Converter:
         merged leading dims to capture with the batch apart (see ``capture.packed``)."""
         graph = self.exported.graph
         for rewrite in [*packed_projections(graph, parameters), *head_views(graph), *flattened_linears(graph)]:
-            first = rewrite.linear if isinstance(rewrite, PackedProjection) else rewrite.first
+            first = rewrite.first if isinstance(rewrite, HeadView) else rewrite.linear  # where every input it reads is known
             self.rewrites[first] = rewrite
             self.skipped.update(rewrite.skipped)
             if isinstance(rewrite, PackedProjection):
@@ -109,8 +109,9 @@ class _Converter:
         value = chain.first.meta["val"]
         target = _SAME_AS.get(str(chain.first.target), str(chain.first.target))
         kept = self.emit(chain.first.name, target, [source, list(chain.kept_shape)], {}, value.new_empty(chain.kept_shape), no_grad)
-        arguments = [kept, *(self.values[arg] if isinstance(arg, fx.Node) else arg for arg in chain.linear.args[1:])]
-        self.values[chain.last] = self.emit(chain.linear.name, "aten.linear.default", arguments, {}, chain.last.meta["val"], no_grad)
+        arguments = [kept, *_plain(fx.node.map_arg(chain.linear.args[1:], self.values.__getitem__))]
+        keywords = _plain(fx.node.map_arg(chain.linear.kwargs, self.values.__getitem__))
+        self.values[chain.last] = self.emit(chain.linear.name, "aten.linear.default", arguments, keywords, chain.last.meta["val"], no_grad)
 
     def placeholder(self, node: fx.Node, spec: Any) -> None:
         role = _ROLE.get(spec.kind)

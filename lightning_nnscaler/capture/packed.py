@@ -180,5 +180,5 @@ def flattened_linears(graph: fx.Graph) -> list[FlattenedLinear]:
         lead = out[:-1]
         if len(flat) != 2 or len(lead) < 2 or source[: len(lead)] != lead or math.prod(lead) != flat[0] or _shape(linear) != (flat[0], out[-1]):
             continue
-        found.append(FlattenedLinear(node, linear, last, (*lead, flat[1]), (linear, last)))
+        found.append(FlattenedLinear(node, linear, last, (*lead, flat[1]), (node, last)))
     return found

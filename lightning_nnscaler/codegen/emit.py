@@ -87,6 +87,7 @@ def emit_rank(program: Program, rank: int, plan_hash: str, label: str, zero_stag
     lines.append("]")
     lines.append(f"GROUPS = {program.communication_groups!r}  # every rank creates these, in this order")
     lines.append(f"ZERO_STAGE = {zero_stage}  # replicated boxes: 0 all-reduce, 1 sharded optimizer state, 3 sharded at rest")
+    lines.append(f"PIPELINED = {program.pipelined}  # segments pass messages to one another (stages, microbatches)")
     targets = {action.op.target for action in rank_program.actions if isinstance(action, Compute)}
     if targets & set(RANDOM_TARGETS):
         lines.append(RANDOM_IMPORT)

@@ -22,7 +22,7 @@ from lightning_nnscaler.materialize.program import Action, Assemble, Collective,
 # Module-level names of a generated file (see emit.HEADER, emit_rank and codegen.segments) and the segment functions' parameters.
 MODULE_NAMES = frozenset({
     "torch", "comm", "assemble", "checkpoint", "zeros", "aten", "DEVICE", "RANK", "WORLD_SIZE", "HELD",
-    "GRADIENT_GROUPS", "GROUPS", "ZERO_STAGE", "OUTPUTS", "VALUES", "VALUE_PIECES", "held", "communicator", "token",
+    "GRADIENT_GROUPS", "GROUPS", "ZERO_STAGE", "PIPELINED", "OUTPUTS", "VALUES", "VALUE_PIECES", "held", "communicator", "token",
     "SCHEDULE", "SEGMENTS", "BOUNDARY_IN", "BOUNDARY_OUT", "prologue", "shared", "received",
 })
 RESERVED = frozenset(keyword.kwlist) | frozenset(keyword.softkwlist) | frozenset(dir(builtins)) | MODULE_NAMES

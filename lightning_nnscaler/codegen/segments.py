@@ -3,7 +3,7 @@
 A plan that is not pipelined has one segment (``ir.op.WHOLE_STEP``) and no prologue.
 
 A rank's module holds ``prologue`` (the step's ops that need no gradient, run once before any
-segment) and one function per segment ``(stage, microbatch)`` it runs, named
+segment; left out when there are none) and one function per segment ``(stage, microbatch)`` it runs, named
 ``stage{s}_microbatch{m}``. A segment function reads the held pieces (``held``), what the prologue
 computed (``shared``) and the boundary tensors other segments sent it (``received``, by message
 tag); it returns the boundary tensors it sends (by tag), its graph outputs and the token of its

@@ -60,7 +60,7 @@ def _measure(op: Op, requires_grad: Sequence[bool]) -> Saved | None:
         return tensor
 
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.inference_mode(False), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             results = _fused_attention(op, values) or call_op(op, lambda _, piece: values[piece])
     except Exception:  # noqa: BLE001 - any op that cannot run on meta falls back to the output rule
         return None

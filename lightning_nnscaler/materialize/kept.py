@@ -5,7 +5,7 @@ pieces, and whatever a differentiable op, collective or assembly makes of them; 
 receives), and which are views of another (an op's output that ``saved_by`` found sharing an input's
 storage, a single-slice assembly). Each op adds to its segment the bytes of the saved variables'
 roots not yet counted there, plus its own buffers; parameter, buffer and constant pieces are not
-counted (the measurement, ``sim.meter``, excludes them). ``explain`` and the simulator both count with it. Recomputed and no-grad ops keep nothing;
+counted (the measurement, ``sim.meter``, excludes them). ``explain`` and the simulator both count with it. No-grad ops keep nothing, recomputed ones their group's inputs from outside it;
 an op that cannot run on ``meta`` keeps all its outputs (counted in ``fallbacks``).
 """
 
@@ -30,6 +30,8 @@ class KeptBytes:
         self.roots: dict[str, str] = {}
         self.nbytes: dict[str, int] = {}
         self.counted: dict[Hashable, set[str]] = {}
+        self.group_of: dict[str, int | None] = {}
+        """The recompute group of the op that wrote each variable (None: not recomputed, or a held input)."""
         self.fallbacks = 0
         """Ops whose saved tensors could not be measured (all their outputs counted)."""
 
@@ -52,13 +54,15 @@ class KeptBytes:
             self.grad.add(action.var)
 
     def kept(self, action: Compute) -> int:
-        """Bytes ``action``'s op adds to its segment's kept activations (0 for recomputed and no-grad ops)."""
+        """Bytes ``action``'s op adds to its segment's kept activations (0 for no-grad ops; for a recomputed op,
+        its inputs from outside its recompute group, which the checkpoint keeps to run the group again)."""
         op = action.op
         pieces = op.tensor_inputs
         for var, piece in zip(action.input_vars, pieces):
             self.nbytes.setdefault(var, _bytes(piece))
         for var, piece in zip(action.output_vars, op.outputs):
             self.nbytes.setdefault(var, _bytes(piece))
+            self.group_of[var] = op.recompute
         requires_grad = [var in self.grad for var in action.input_vars]
         if op.no_grad:
             return 0
@@ -71,7 +75,8 @@ class KeptBytes:
             for output, position in saved.aliases:
                 self.roots[action.output_vars[output]] = self.root(action.input_vars[position])
         if op.recompute is not None:
-            return 0
+            block_inputs = [var for var in action.input_vars if self.group_of.get(var) != op.recompute]
+            return self._count(action.segment, block_inputs)
         if saved is None:
             self.fallbacks += 1
             return self._count(action.segment, action.output_vars)

@@ -41,7 +41,7 @@ class Piece:
 
 
 class RankExecutor:
-    """Holds rank ``rank``'s parameter and buffer boxes and runs its module's ``forward``.
+    """Holds rank ``rank``'s parameter and buffer boxes and runs its module's ``SCHEDULE`` (``runtime.pipeline``).
 
     Args:
         module: The rank's generated module (see ``codegen.emit``).
@@ -80,9 +80,9 @@ class RankExecutor:
         self.rank = rank
         self.communicator = communicator
         self.trace_actions = False
+        """Record ``(action, start, end)`` of each action run in ``executed_actions``."""
         self.values: dict[str, torch.Tensor] = {}
         """The last step's ``VALUES`` (graph outputs besides the loss, e.g. logged values), whole, summed over the ranks (float64)."""
-        """Pipelined plans: record ``(action, start, end)`` of each action run in ``executed_actions``."""
         self.executed_actions: list[tuple[str, float, float]] = []
         self.device = torch.device(device)
         shared: set[int] = set()  # a tied parameter is shared once, its other keys copied (as without sharing)
@@ -216,10 +216,11 @@ class RankExecutor:
         if backward:
             self.reducer.before_backward(False)  # accumulate over the microbatches; sum during the last backward
         loss_sum: list[AsyncHandle] = []
-        # Without messages between segments (a plan that does not pipeline) the loss sum overlaps
-        # backward. A pipeline starts it once its messages and gradient sums are done: a collective in
-        # flight beside point-to-point messages could be ordered differently on each rank (NCCL).
-        overlapped = not (self.module.BOUNDARY_IN or self.module.BOUNDARY_OUT)
+        # A plan that does not pipeline overlaps the loss sum with backward. A pipeline (decided for the
+        # whole plan, so every rank agrees) starts it once its messages and gradient sums are done: a
+        # collective in flight beside the stages' point-to-point messages could be ordered differently
+        # on each rank (NCCL).
+        overlapped = not self.module.PIPELINED
         run.run(
             backward=backward, loss_scale=loss_scale, trace=self.trace_actions,
             after_last_forward=(lambda: loss_sum.append(self._start_loss_sum(run.seeds, run.values))) if overlapped else None,

@@ -54,7 +54,7 @@ class _Stash:
 
 @dataclass
 class PipelineRun:
-    """One step of a pipelined module on one rank.
+    """One step of a rank's module (its ``SCHEDULE``, one segment or a pipeline's) on one rank.
 
     Args:
         module: The rank's generated module.

@@ -7,8 +7,9 @@
   scheduling for dedicated devices; ``events``: an event heap for ranks sharing CPU cores; ``results``).
 - ``calibrate``: the microbenchmarks behind the measured ``cpu`` spec (``benchmarks/calibrate_comm.py``).
 - ``from_plan`` / ``predict``: a Plan's task lists and its predicted step time and memory.
-- ``saved`` / ``kept``: what autograd saves per op (measured on ``meta``) and the activation bytes a rank keeps;
-  ``meter``: the saved-for-backward peak metered while a program runs.
+- ``meter``: the saved-for-backward peak metered while a program runs. What autograd saves per op
+  (``ir.saved``, measured on ``meta``) and the activation bytes a rank keeps (``materialize.kept``)
+  live below, since ``explain`` counts with them too.
 - ``analytic``: dp × tp × pp transformer plans built from shapes alone (GPT-3 175B on 1024 GPUs).
 """
 

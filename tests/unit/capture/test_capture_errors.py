@@ -67,3 +67,23 @@ def test_training_step_must_return_a_loss() -> None:
 
     with pytest.raises(lnn.CaptureError, match="must return the loss"):
         lnn.trace(Step(), torch.randn(2), step="training_step")
+
+
+def test_a_flattened_linear_whose_weight_is_computed_after_the_reshape_is_captured_exactly() -> None:
+    """``F.linear(x.reshape(N, E), w * 2).view(*lead, O)``: the weight is written after the reshape, so the
+    rewrite that keeps the leading dims apart runs where the linear is (every input it reads known)."""
+
+    class ScaledWeight(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(5, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(x.reshape(6, 4), self.w * 2, bias=None).view(2, 3, 5).square().sum()
+
+    torch.manual_seed(0)
+    model, x = ScaledWeight(), torch.randn(2, 3, 4)
+    graph = lnn.trace(model, (x,))
+    linear = next(op for op in graph.ops if op.target == "aten.linear.default")
+    assert linear.outputs[0].shape == (2, 3, 5)
+    lnn.parallelize(model, (x,), "dp", 2).verify()

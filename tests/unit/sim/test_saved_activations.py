@@ -48,6 +48,7 @@ def _model(name: str):
 
 @pytest.mark.parametrize("name, recipe, world_size, params", [
     ("gpt", "dp", 1, {}), ("mbart", "dp", 1, {}), ("gpt", "tp", 2, {}), ("gpt", "1f1b", 2, {"stages": 2, "microbatches": 2}),
+    ("gpt", "coshard", 2, {"shards": 1, "recompute": True}),  # a recomputed group keeps its inputs from outside it
 ])
 def test_predicted_activation_peak_is_within_10_percent_of_the_metered_one(name: str, recipe: str, world_size: int, params: dict) -> None:
     model, batch = _model(name)

@@ -25,6 +25,7 @@ GRADIENT_GROUPS = [  # (state_dict key, box, ranks whose gradients of that box a
 ]
 GROUPS = []  # every rank creates these, in this order
 ZERO_STAGE = 0  # replicated boxes: 0 all-reduce, 1 sharded optimizer state, 3 sharded at rest
+PIPELINED = False  # segments pass messages to one another (stages, microbatches)
 OUTPUTS = [  # (graph output, variable, starts backward, segment)
     ('sum_1', 'sum_1', True, (0, 0)),
 ]
