@@ -6,6 +6,10 @@ A failing or hanging rank never hangs the caller: when one rank fails, or the ti
 every other rank is terminated and ``LaunchError`` names what happened. A rank's own error is published
 to the others (``runtime.failures``): a rank whose collective then fails raises ``PeerRankFailed`` naming
 it, and ``LaunchError`` ends with the first failing rank's traceback and a line naming it and its error.
+
+Ranks are fresh interpreters ("spawn") unless ``preload`` names modules: then they are forked from one
+server process ("forkserver") that imported those modules once, so a rank does not spend seconds
+importing torch and Lightning again (the test suite starts dozens of ranks this way).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -45,7 +49,11 @@ def init_process_group(rank: int, world_size: int, port: int, *, backend: str = 
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, result_dir: str, timeout: float) -> None:
+def _entry(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, result_dir: str, timeout: float, environment: dict[str, str]
+) -> None:
+    os.environ.clear()
+    os.environ.update(environment)  # a forked rank starts with the fork server's environment, not the caller's
     init_process_group(rank, world_size, port, timeout=timeout)
     try:
         result = fn(rank, world_size, *args)
@@ -81,19 +89,28 @@ class _RankError:
         return cls("".join(traceback.format_exception(error)), line, not is_communication_failure(error))
 
 
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, collective_timeout: float = 60.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank.
+def launch(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, collective_timeout: float = 60.0, preload: Sequence[str] = ()
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; return results by rank.
 
-    ``fn`` must be importable (a module-level function). Results must pickle.
+    ``fn`` must be importable (a module-level function). Results must pickle. Each rank gets the
+    caller's environment variables, working directory and ``sys.path`` as they are at this call.
+
+    Args:
+        preload: Modules (in import order) to import once into a fork server that then forks every rank
+            (``multiprocessing``'s "forkserver" start method). The server is one per calling process: the
+            first launch that starts it fixes its modules, later launches reuse it and their ranks import
+            anything else themselves. Empty: every rank is a fresh interpreter ("spawn").
 
     Raises:
         LaunchError: the first failing rank's traceback, a rank that died without a result, or a timeout.
     """
-    context = mp.get_context("spawn")
+    context = _rank_context(preload)
     port = free_port()
     with tempfile.TemporaryDirectory() as result_dir:
         processes = [
-            context.Process(target=_entry, args=(rank, world_size, port, fn, args, result_dir, collective_timeout), daemon=False)
+            context.Process(target=_entry, args=(rank, world_size, port, fn, args, result_dir, collective_timeout, dict(os.environ)), daemon=False)
             for rank in range(world_size)
         ]
         for process in processes:
@@ -107,6 +124,16 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
                     process.terminate()
                 process.join(5)
         return [_result(result_dir, rank) for rank in range(world_size)]
+
+
+def _rank_context(preload: Sequence[str] = ()) -> Any:
+    """The ``multiprocessing`` context that starts ranks: "spawn", or with ``preload`` a "forkserver" whose
+    server imports those modules when it starts (see `launch`)."""
+    if not preload:
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(preload))
+    return context
 
 
 def _wait(processes: list[Any], deadline: float, result_dir: str) -> None:

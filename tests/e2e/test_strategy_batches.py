@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_nnscaler.launch import launch
+from support.ranks import launch_ranks
 
 from batch_runs import REPLICA_BATCH, STEPS, batches_worker  # noqa: E402 - tests/e2e is on sys.path
 
@@ -16,7 +16,7 @@ STRATEGIES = ["ddp", "nnscaler", "nnscaler_zero3", "nnscaler_tp", "nnscaler_user
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, dict]]:
-    return launch(batches_worker, 2, STRATEGIES, timeout=280)
+    return launch_ranks(batches_worker, 2, STRATEGIES, timeout=280)
 
 
 @pytest.mark.timeout(300)

@@ -17,7 +17,8 @@ import torch
 
 import lightning_nnscaler as lnn  # noqa: F401 - before lightning
 from lightning_nnscaler import checkpoint
-from lightning_nnscaler.launch import LaunchError, launch
+from lightning_nnscaler.launch import LaunchError
+from support.ranks import launch_ranks
 
 import lightning as L  # noqa: E402
 
@@ -46,13 +47,13 @@ def two_ranks(saved: Path) -> dict:
         ("1f1b saving", "nnscaler_1f1b", 1, {"checkpoint_dir": str(saved / "1f1b")}),
         ("tp resumed from 1f1b", "nnscaler_tp", 2, {"resume_from": str(saved / "1f1b" / SAVED), "validate": False}),
     ]
-    return launch(runs_worker, 2, runs, timeout=280)[0]
+    return launch_ranks(runs_worker, 2, runs, timeout=280)[0]
 
 
 @pytest.fixture(scope="module")
 def four_ranks(saved: Path, two_ranks: dict) -> dict:
     runs = [("tp4 resumed", "nnscaler_tp", 2, {"resume_from": str(saved / SAVED), "validate": False})]
-    return launch(runs_worker, 4, runs, timeout=280)[0]
+    return launch_ranks(runs_worker, 4, runs, timeout=280)[0]
 
 
 @pytest.mark.timeout(600)
@@ -102,7 +103,7 @@ def test_merged_checkpoint_loads_with_strategy_auto(two_ranks: dict, saved: Path
 @pytest.mark.timeout(300)
 def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(LaunchError, match="rank 1 exited with code -9"):
-        launch(killed_while_saving_worker, 2, str(tmp_path), timeout=240, collective_timeout=20)
+        launch_ranks(killed_while_saving_worker, 2, str(tmp_path), timeout=240, collective_timeout=20)
     first = tmp_path / SAVED
     assert checkpoint.load(first)["global_step"] == STEPS_PER_EPOCH
     second = tmp_path / "epoch=1-step=20.ckpt"
@@ -117,7 +118,7 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path: Pat
 
 @pytest.mark.timeout(300)
 def test_a_save_called_on_rank_0_only_is_refused_by_name(tmp_path: Path) -> None:
-    message = launch(rank_zero_only_save_worker, 2, str(tmp_path / "manual.ckpt"), timeout=240, collective_timeout=60)[0]
+    message = launch_ranks(rank_zero_only_save_worker, 2, str(tmp_path / "manual.ckpt"), timeout=240, collective_timeout=60)[0]
     assert "every rank must call trainer.save_checkpoint" in message and "not only rank 0" in message, message
     assert not (tmp_path / "manual.ckpt").exists()
 
@@ -125,11 +126,11 @@ def test_a_save_called_on_rank_0_only_is_refused_by_name(tmp_path: Path) -> None
 @pytest.mark.timeout(600)
 def test_a_run_killed_while_overwriting_last_ckpt_resumes_from_it(two_ranks: dict, tmp_path: Path) -> None:
     with pytest.raises(LaunchError):
-        launch(killed_during_overwrite_worker, 2, str(tmp_path), timeout=240, collective_timeout=20)
+        launch_ranks(killed_during_overwrite_worker, 2, str(tmp_path), timeout=240, collective_timeout=20)
     last = tmp_path / "last.ckpt"
     assert checkpoint.load(last)["global_step"] == STEPS_PER_EPOCH  # the old save: killed before the switch
     assert checkpoint.describe(last)["leftovers"], "the interrupted save's directory is listed"
     runs = [("resumed from last", "nnscaler_tp", 2, {"resume_from": str(last), "validate": False})]
-    resumed = launch(runs_worker, 2, runs, timeout=280)[0]["resumed from last"]
+    resumed = launch_ranks(runs_worker, 2, runs, timeout=280)[0]["resumed from last"]
     expected = two_ranks["uninterrupted tp"]["losses"][STEPS_PER_EPOCH:]
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(expected), rtol=1e-5, atol=1e-6)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import lightning_nnscaler as lnn
-from lightning_nnscaler.launch import launch
+from support.ranks import launch_ranks
 from lightning_nnscaler.strategy.plan_logging import CODE_FOLDER, PLAN_KEY, plan_summary
 
 from feature_runs import (  # noqa: E402 - after lightning_nnscaler
@@ -35,7 +35,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]
     environment = dict(os.environ)
     os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(root))  # no network here
     try:
-        results = launch(features_worker, 2, [("ddp", "ddp", {}), ("tp", "nnscaler_tp", {"wandb": True})], str(root), timeout=420)
+        results = launch_ranks(features_worker, 2, [("ddp", "ddp", {}), ("tp", "nnscaler_tp", {"wandb": True})], str(root), timeout=420)
     finally:
         os.environ.clear()
         os.environ.update(environment)
@@ -162,7 +162,7 @@ def test_bf16_true_trains_with_tensor_parallelism() -> None:
         ("tp", "nnscaler_tp", {"precision": "bf16-true", "validate": False}),
         ("ddp", "ddp", {"precision": "bf16-true", "validate": False}),
     ]
-    results = launch(parity_worker, 2, runs, timeout=280)[0]
+    results = launch_ranks(parity_worker, 2, runs, timeout=280)[0]
     expected_losses, _ = single_device_run()
     one_ulp = 2.0**-7  # bf16 keeps 8 significant bits: one unit in the last place is 2^-7 of the value
     torch.testing.assert_close(torch.tensor(results["tp"]["losses"]), torch.tensor(expected_losses), rtol=one_ulp, atol=0.0)

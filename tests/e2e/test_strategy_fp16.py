@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import lightning_nnscaler as lnn  # noqa: F401 - before lightning
-from lightning_nnscaler.launch import launch
+from support.ranks import launch_ranks
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
@@ -77,7 +77,7 @@ def test_16_mixed_skips_steps_and_scales_like_one_device() -> None:
     expected = single_device_fit()
     scales = expected["scales"]
     assert scales[0] < INITIAL_SCALE and any(later > earlier for earlier, later in zip(scales, scales[1:])), "steps skipped and grown"
-    results = launch(fp16_worker, 2, ["nnscaler_tp", "nnscaler"], timeout=280)
+    results = launch_ranks(fp16_worker, 2, ["nnscaler_tp", "nnscaler"], timeout=280)
     for strategy in ("nnscaler_tp", "nnscaler"):
         # The overflow check is shared: every rank skips the same steps and keeps the same scale.
         assert results[0][strategy]["scales"] == results[1][strategy]["scales"], f"{strategy}: ranks disagree on the loss scale"

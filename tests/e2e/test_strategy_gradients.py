@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_nnscaler.launch import launch
+from support.ranks import launch_ranks
 
 from gradient_runs import SMALL_BUCKETS_MB, worker  # noqa: E402 - tests/e2e is on sys.path
 
@@ -35,7 +35,7 @@ RUNS: list[tuple[str, Any, dict[str, Any]]] = [
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, dict[str, Any]]]:
-    return launch(worker, 2, RUNS, timeout=280)
+    return launch_ranks(worker, 2, RUNS, timeout=280)
 
 
 def assert_trains_like(actual: dict[str, Any], expected: dict[str, Any], label: str) -> None:

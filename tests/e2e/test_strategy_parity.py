@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_nnscaler.launch import launch
+from support.ranks import launch_ranks
 
 from lightning_runs import parity_worker  # noqa: E402 - tests/e2e is on sys.path
 
@@ -49,7 +49,7 @@ def parity_runs() -> list[tuple[str, Any, dict[str, Any]]]:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, dict[str, Any]]]:
-    return launch(parity_worker, 2, parity_runs(), timeout=380)
+    return launch_ranks(parity_worker, 2, parity_runs(), timeout=380)
 
 
 @pytest.mark.timeout(400)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_nnscaler.launch import launch
+from support.ranks import launch_ranks
 
 from lightning_runs import TokenDataset, build_model  # noqa: E402 - tests/e2e is on sys.path
 from ragged_runs import REPLICA_BATCH, SAMPLES, ragged_worker  # noqa: E402
@@ -20,7 +20,7 @@ RUNS = [
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, dict]]:
-    return launch(ragged_worker, 2, RUNS, timeout=280)
+    return launch_ranks(ragged_worker, 2, RUNS, timeout=280)
 
 
 def single_device_losses(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:

@@ -16,7 +16,7 @@ import torch
 import lightning_nnscaler as lnn
 from lightning_nnscaler import NnScalerStrategy
 from lightning_nnscaler.plans.catalog import RecipeError
-from lightning_nnscaler.launch import launch
+from support.ranks import launch_ranks
 
 import lightning as L  # noqa: E402 - after lightning_nnscaler
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
@@ -138,7 +138,7 @@ def test_recipes_that_do_not_fit_the_devices_or_the_heads_raise_at_setup() -> No
         ({"recipe": "coshard"}, {}),  # the default 4 shards x 2 devices = 8 pieces of 4 heads
         ({"recipe": "coshard", "allow_partial": True}, {}),  # asked for: attention whole, a warning says how much was split
     ]
-    outcomes = launch(setup_error_worker, 2, cases, timeout=220)
+    outcomes = launch_ranks(setup_error_worker, 2, cases, timeout=220)
     expected = [
         r"NnScalerStrategy\(recipe='tp', degree=4\) does not fit the Trainer's 2 devices.*degree \(4\) must be a positive "
         r"divisor of world_size \(2\).*Pass degree to fit 2 devices, or change the Trainer's devices / num_nodes",

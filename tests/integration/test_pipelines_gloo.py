@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from lightning_nnscaler.launch import launch
+from support.ranks import launch_ranks
 
 from workers import assert_trains_like_one_device, plan_recipes, single_device_run, train_planned_models  # noqa: E402 - tests/integration is on sys.path
 
@@ -41,7 +41,7 @@ def per_rank() -> list[dict[str, dict[str, Any]]]:
     """Every rank's results (model name -> label -> losses and parameter shards) of every run in `RUNS`,
     planned here, trained in one launch."""
     planned = [(model_name, plan_recipes(model_name, WORLD_SIZE, recipes)) for model_name, recipes in RUNS.items()]
-    return launch(train_planned_models, WORLD_SIZE, planned, timeout=800)
+    return launch_ranks(train_planned_models, WORLD_SIZE, planned, timeout=800)
 
 
 @pytest.mark.timeout(900)

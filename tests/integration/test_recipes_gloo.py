@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_nnscaler.materialize import AlphaBeta
-from lightning_nnscaler.launch import launch
+from support.ranks import launch_ranks
 
 from workers import assert_trains_like_one_device, plan_recipes, single_device_run, train_planned_models  # noqa: E402 - tests/integration is on sys.path
 
@@ -56,7 +56,7 @@ def test_recipes_match_single_device_training(model_name: str, world_size: int) 
     expected_losses, expected_parameters = single_device_run(model_name)
     recipes = recipes_for(model_name, world_size)
     planned = [(model_name, plan_recipes(model_name, world_size, recipes)), *[(other, plan_recipes(other, world_size, runs)) for other, runs in ALSO_AT[world_size]]]
-    per_rank = launch(train_planned_models, world_size, planned, timeout=800)  # planned once, here
+    per_rank = launch_ranks(train_planned_models, world_size, planned, timeout=800)  # planned once, here
     for label, _, _ in recipes:
         assert_trains_like_one_device([results[model_name] for results in per_rank], label, expected_losses, expected_parameters)
     for other, runs in ALSO_AT[world_size]:

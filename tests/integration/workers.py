@@ -153,3 +153,12 @@ def raise_on_rank_1(rank: int, world_size: int) -> None:
     if rank == 1:
         raise ValueError("boom from rank 1")
     dist.all_reduce(torch.ones(1))
+
+
+def where_am_i(rank: int, world_size: int, variable: str) -> tuple[str | None, str, bool]:
+    """This rank's value of environment ``variable``, its working directory, and whether Lightning was
+    already imported before ``fn`` ran (true for a rank forked from a preloaded server)."""
+    import os
+    import sys
+
+    return os.environ.get(variable), os.getcwd(), "lightning.pytorch" in sys.modules
