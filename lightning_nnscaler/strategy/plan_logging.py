@@ -84,9 +84,11 @@ def log_plan(loggers: Iterable[Logger], plan: Plan, predicted: PredictedStep | N
 @rank_zero_only
 def log_measured_step(loggers: Iterable[Logger], measured_seconds: float, predicted: PredictedStep | None, step: int) -> None:
     """Log the fit's measured step (``MEASURED_STEP_KEY``, ms) and, with a prediction, measured / predicted
-    (``MEASURED_OVER_PREDICTED_KEY``) as metrics at ``step`` to every logger; rank 0 only."""
+    (``MEASURED_OVER_PREDICTED_KEY``) as metrics at ``step`` to each ``WandbLogger``; rank 0 only. Other
+    loggers (CSV, TensorBoard) get no extra row: their metrics stay exactly what ``ddp`` would write."""
     metrics = {MEASURED_STEP_KEY: measured_seconds * 1e3}
     if predicted is not None and predicted.step_seconds > 0:
         metrics[MEASURED_OVER_PREDICTED_KEY] = measured_seconds / predicted.step_seconds
     for logger in loggers:
-        logger.log_metrics(metrics, step=step)
+        if isinstance(logger, WandbLogger):
+            logger.log_metrics(metrics, step=step)
