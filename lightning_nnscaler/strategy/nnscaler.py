@@ -50,6 +50,7 @@ replicas; each rank's generated code reads its pieces out of its replica's batch
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 from datetime import timedelta
@@ -59,7 +60,12 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
+    _distributed_is_initialized,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
@@ -243,11 +249,17 @@ class NnScalerStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Join the process group: gloo on CPU, NCCL on CUDA, collectives timing out after ``timeout`` s."""
+        """Join the process group: gloo on CPU, NCCL on CUDA, collectives timing out after ``timeout`` s.
+
+        The group is destroyed at interpreter exit whatever the backend (Lightning does so for NCCL only):
+        gloo's worker threads still holding finished work when the interpreter finalizes abort the process
+        (SIGABRT, "terminate called without an active exception") after a successful fit."""
         super().setup_environment()
         self.set_world_ranks()
         backend = "nccl" if self.root_device.type == "cuda" else "gloo"
         _init_dist_connection(self.cluster_environment, backend, timeout=timedelta(seconds=self.timeout))
+        atexit.unregister(_destroy_dist_connection)  # once, however many fits
+        atexit.register(_destroy_dist_connection)
 
     def set_world_ranks(self) -> None:
         """Global rank and world size from the node rank, local rank and devices per node."""
