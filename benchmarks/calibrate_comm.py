@@ -30,48 +30,62 @@ from lightning_nnscaler.sim.specs import SPEC_DIRECTORY
 
 SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * 2**20)
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-REPEATS = 9
+REPEATS = 3
+ITERATIONS = 20
+BURST_SIZE = 160  # a matmul of about 0.3 ms in one thread: the compute between two collectives of a small step
 
 
 def rank_main(rank: int, world_size: int) -> dict[str, list[tuple[int, float]]]:
-    """Every (kind, size) timed on this rank: the buffer bytes and the median seconds (barrier-synced)."""
+    """Every (kind, size) timed on this rank as a training step meets it: between bursts of compute.
+
+    ``ITERATIONS`` times a matmul burst then the operation, against the bursts alone; the operation's
+    cost is the difference per iteration (the fastest of ``REPEATS`` such loops). Timed back to back
+    after a barrier, an idle gloo rank answers at once; in a step the peer is still computing and the
+    scheduler must wake the rank's communication thread first, which on a machine with as many busy
+    ranks as cores costs more than the transfer itself (p2p is the exchange tensor parallelism runs:
+    each rank sends, then receives)."""
     torch.set_num_threads(1)
     communicator = TorchDistributedCommunicator(60.0)
     everyone = tuple(range(world_size))
     communicator.create_groups([everyone])
+    peer = rank ^ 1
+    burst = torch.randn(BURST_SIZE, BURST_SIZE)
     samples: dict[tuple[str, int], list[float]] = {}
+
+    def loop(kind: str, buffer: torch.Tensor) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for tag in range(ITERATIONS):
+            burst @ burst
+            if kind == "p2p":
+                communicator.send(buffer, peer, tag)
+                communicator.recv(buffer.shape, buffer.dtype, peer, tag)
+            elif kind == "all_reduce":
+                communicator.all_reduce(buffer, everyone)
+            elif kind == "all_gather":
+                communicator.all_gather(buffer, 0, everyone)
+            elif kind == "reduce_scatter":
+                communicator.reduce_scatter(buffer, 0, everyone)
+            elif kind == "all_to_all":
+                communicator.all_to_all(buffer, 0, 0, everyone)
+        communicator.wait_sends()
+        dist.barrier()
+        return (time.perf_counter() - start) / ITERATIONS
+
     for _ in range(REPEATS):
         for nbytes in SIZES:
             buffer = torch.randn(nbytes // 4)
+            bursts = loop("none", buffer)
             for kind in (*KINDS, "p2p"):
-                dist.barrier()
-                start = time.perf_counter()
-                if kind == "p2p":
-                    if rank == 0:
-                        communicator.send(buffer, 1, 7)
-                        communicator.wait_sends()
-                    elif rank == 1:
-                        communicator.recv(buffer.shape, buffer.dtype, 0, 7)
-                elif kind == "all_reduce":
-                    communicator.all_reduce(buffer, everyone)
-                elif kind == "all_gather":
-                    communicator.all_gather(buffer, 0, everyone)
-                elif kind == "reduce_scatter":
-                    communicator.reduce_scatter(buffer, 0, everyone)
-                else:
-                    communicator.all_to_all(buffer, 0, 0, everyone)
-                samples.setdefault((kind, nbytes), []).append(time.perf_counter() - start)
-    results: dict[str, list[tuple[int, float]]] = {}
-    for (kind, nbytes), times in samples.items():
-        results.setdefault(kind, []).append((nbytes, min(times[1:])))
-    return results
+                samples.setdefault((kind, nbytes), []).append(loop(kind, buffer) - bursts)
+    return {kind: [(nbytes, max(min(times), 0.0)) for (other, nbytes), times in samples.items() if other == kind] for kind in (*KINDS, "p2p")}
 
 
 def fit(world_size: int, per_rank: list[dict[str, list[tuple[int, float]]]]) -> dict[str, tuple[float, float]]:
-    """α, β per kind over the ring bytes (the slowest rank's median at each size; p2p: the receiver's)."""
+    """α, β per kind over the ring bytes (the slowest rank's cost at each size)."""
     fits = {}
     for kind in (*KINDS, "p2p"):
-        ranks = [per_rank[1]] if kind == "p2p" else per_rank
+        ranks = per_rank
         sizes = [nbytes for nbytes, _ in ranks[0][kind]]
         seconds = [max(dict(rank[kind])[nbytes] for rank in ranks) for nbytes in sizes]
         moved = [ring_bytes(kind, world_size, nbytes) for nbytes in sizes]

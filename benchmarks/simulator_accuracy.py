@@ -1,15 +1,15 @@
 """Simulator accuracy: predicted vs measured step time and peak memory of plans run for real on gloo.
 
 Each plan (GPT, mBART-style and Evoformer-style reference models; dp, tp, coshard, zero3, gpipe,
-1f1b, interleaved, zb1, 3f1b at 2 and 4 ranks) is planned in this process and run on fresh
+1f1b, interleaved, zb1, interlaced, 3f1b at 2 and 4 ranks) is planned in this process and run on fresh
 gloo processes (one intra-op thread per rank): warm-up steps, then timed steps of
 ``forward_backward`` + AdamW ``step`` (barrier before and after; a step's time is the slowest
 rank's). All plans run once per round, rounds interleaved; the measured time is the median over
 rounds of each round's median, and the spread (max/min over rounds) is printed as the noise.
 
 Measured peak memory per rank: the bytes of the tensors the rank holds (parameter pieces, their
-gradients, the optimizer's state) plus the peak of saved-for-backward activations during a step
-(``saved_tensors_hooks``, as ``benchmarks/pipeline.py``). Predicted: ``sim.predict`` with the
+gradients, the optimizer's state; under ZeRO-3 also the boxes gathered for the step) plus the peak
+of saved-for-backward activations during a step (``saved_tensors_hooks``, as ``benchmarks/pipeline.py``). Predicted: ``sim.predict`` with the
 ``cpu`` spec (``benchmarks/calibrate_comm.py``) and op times measured in one thread into a fresh
 profile folder for the run. Nothing is fitted to these plans.
 
@@ -56,8 +56,11 @@ PLANS: list[tuple[str, str, int, dict[str, Any]]] = [
     ("gpt", "gpipe", 2, {"stages": 2, "microbatches": 4}), ("gpt", "1f1b", 2, {"stages": 2, "microbatches": 4}),
     ("gpt", "interleaved", 2, {"stages": 2, "microbatches": 4}), ("gpt", "zb1", 2, {"stages": 2, "microbatches": 4}),
     ("gpt", "dp", 4, {}), ("gpt", "tp", 4, {}), ("gpt", "1f1b", 4, {"stages": 4, "microbatches": 4}),
-    ("mbart", "dp", 2, {}), ("mbart", "tp", 2, {}), ("evoformer", "dp", 2, {}), ("evoformer", "3f1b", 2, {"stages": 2, "microbatches": 2}),
+    ("mbart", "dp", 2, {}), ("mbart", "tp", 2, {}), ("mbart", "interlaced", 2, {"stages": 2, "microbatches": 4}),
+    ("evoformer", "dp", 2, {}), ("evoformer", "3f1b", 2, {"stages": 2, "microbatches": 2}),
 ]
+RANK_PRELOAD = ("lightning_nnscaler",)
+"""Ranks fork from one server that imported the package once (``launch(..., preload=...)``)."""
 
 
 def build_model(name: str) -> Any:
@@ -119,10 +122,32 @@ def rank_main(rank: int, world_size: int, payload: Payload) -> dict[str, Any]:
     """Warm-up, timed steps, and one metered step of the plan on this rank."""
     executor, optimizer, step = timed_plan(rank, payload)
     times = [step() for _ in range(payload.steps)]
-    meter = SavedMeter({tensor.untyped_storage().data_ptr() for tensor in executor.held.values() if tensor.numel()})
+    meter = StepMeter(executor)
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         step()
-    return {"times": times, "memory": held_bytes(executor, optimizer) + meter.peak}
+    return {"times": times, "memory": held_bytes(executor, optimizer) + gathered_bytes(executor) + meter.peak}
+
+
+class StepMeter(SavedMeter):
+    """Saved activations of a step, leaving out what the rank holds anyway: its held pieces, and under ZeRO-3
+    the boxes gathered for the step (fresh storages each step, counted once by ``gathered_bytes``)."""
+
+    def __init__(self, executor: RankExecutor) -> None:
+        super().__init__({tensor.untyped_storage().data_ptr() for tensor in executor.held.values() if tensor.numel()})
+        self.boxes = [owned.box for owned in executor.reducer.owned] if executor.reducer.zero_stage == 3 else []
+
+    def pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """As ``SavedMeter.pack``, a gathered box's storage not counted."""
+        if any(box.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr() for box in self.boxes):
+            return tensor, None
+        return super().pack(tensor)
+
+
+def gathered_bytes(executor: RankExecutor) -> int:
+    """ZeRO-3: bytes of the full boxes gathered before the forward and kept through backward (0 otherwise)."""
+    if executor.reducer.zero_stage != 3:
+        return 0
+    return sum(owned.numel * owned.box.element_size() for owned in executor.reducer.owned)
 
 
 def held_bytes(executor: RankExecutor, optimizer: torch.optim.Optimizer) -> int:
@@ -185,14 +210,15 @@ def main() -> None:
         prediction = predict(plan, spec, device)
         payload = Payload(model_name, plan.sources, dict(plan.graph.constant_values), [t.name for t in plan.graph.user_inputs],
                           [plan.input_offsets(rank) for rank in range(world_size)], args.steps)
-        # transient (ZeRO's gathered boxes and full gradients inside the step) is not in the measured figure: left out here too
-        comparable = [peak - row["transient"] for peak, row in zip(prediction.peak_bytes, prediction.memory, strict=True)]
+        # transient is ZeRO's full gradients (not metered: left out here too) and, stage 3, the gathered boxes (metered)
+        gathered = [row["transient"] // 2 if plan.zero_stage == 3 else 0 for row in prediction.memory]
+        comparable = [peak - row["transient"] + box for peak, row, box in zip(prediction.peak_bytes, prediction.memory, gathered, strict=True)]
         rows.append({"name": " ".join([model_name, recipe, *(f"{key}={value}" for key, value in params.items()), f"x{world_size}"]), "payload": payload,
                      "world": world_size, "predicted": prediction.step_seconds, "predicted_memory": comparable, "rounds": []})
         print(f"planned {rows[-1]['name']}: predicted {prediction.step_seconds * 1e3:.1f} ms", flush=True)
     for round_index in range(args.rounds):
         for row in rows:
-            results = launch(rank_main, row["world"], row["payload"], timeout=300.0)
+            results = launch(rank_main, row["world"], row["payload"], timeout=300.0, preload=RANK_PRELOAD)
             steps = [max(result["times"][index] for result in results) for index in range(args.steps)]
             row["rounds"] += steps
             row["memory"] = [result["memory"] for result in results]
