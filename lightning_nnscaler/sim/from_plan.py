@@ -9,8 +9,10 @@ before the forward), the AdamW step over what the rank steps, and the loss sum.
 
 Pipelined plans run the schedule's actions (``PipelinePlan.actions(rank)``) as ``runtime.pipeline``
 does: the prologue once, then per ``F(s, m)`` the boundary receives, the segment's forward and
-the boundary sends; per ``B`` the gradient receives, the segment's backward (half of it when the
-schedule splits W off), the gradient sends; ``W`` the other half. Activations (what autograd saves
+the boundary sends; per ``B`` the gradient receives, the segment's backward (half of it, the input
+gradients, when the schedule splits W off), the gradient sends; ``W`` the whole backward again
+(``runtime.pipeline``'s W differentiates B's kept root for the weights, which walks the input-gradient
+chain once more to reach them: a zero-bubble step computes 1.5 backwards). Activations (what autograd saves
 for backward, ``materialize.kept``, as ``explain`` counts them) are added at F and freed at
 the last backward half.
 Each of these compute tasks is labelled with its action (``1F0``; the prologue ``prologue``), so a
@@ -31,6 +33,8 @@ from lightning_nnscaler.sim.tasks import Collective as CollectiveTask, Compute, 
 
 BUCKET_BYTES = 25 * 1024 * 1024
 """``runtime.reducer.BUCKET_BYTES`` (DDP's default bucket size), repeated: the simulator may not import the runtime."""
+WEIGHT_PASS_SHARE = 1.0
+"""A W action's share of its segment's backward time (see the module docstring); B's is 0.5."""
 ADJOINT = {"all_reduce": "all_reduce", "all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all", "broadcast": "all_reduce"}
 
 
@@ -182,7 +186,7 @@ class TaskBuilder:
                 tasks += [Send(message.src, self.message_bytes.get((message.src, rank, message.tag), 0))
                           for message in segment.inputs if message.src != rank and message.gradient]
             else:
-                tasks.append(Compute(sum(item.backward for item in segment.items if isinstance(item, _Chunk)) * 0.5, "weight",
+                tasks.append(Compute(sum(item.backward for item in segment.items if isinstance(item, _Chunk)) * WEIGHT_PASS_SHARE, "weight",
                                      str(action), activation_bytes=-segment.kept))
         return tasks
 
