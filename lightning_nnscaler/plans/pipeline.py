@@ -196,17 +196,17 @@ def pipeline(
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if recompute_stages and schedule in ("3f1b", "interlaced"):
+        raise ValueError(
+            f"{schedule}: recompute_stages is not supported (its forward-only or shared stages are not one rank's own); "
+            "use it with gpipe, 1f1b, zb1, interleaved or hybrid3d"
+        )
     if schedule == "3f1b":
         virtual_stages = count_recycles(graph)
     elif schedule != "interleaved" and virtual_stages != 1:
         raise ValueError(f"pipeline: virtual_stages={virtual_stages} needs schedule='interleaved'")
     if layers_per_stage is not None and schedule in ("3f1b", "interlaced"):
         raise ValueError(f"{schedule}: layers_per_stage is not supported (its stages are cut by cost)")
-    if recompute_stages and schedule in ("3f1b", "interlaced"):
-        raise ValueError(
-            f"{schedule}: recompute_stages is not supported (its forward-only or shared stages are not one rank's own); "
-            "use it with gpipe, 1f1b, zb1, interleaved or hybrid3d"
-        )
     if schedule == "interlaced" and tp != 1:
         raise ValueError(f"interlaced: tp={tp} is not supported (its shared layers are already split over every pipeline rank)")
     pp = stages or ctx.world_size // ((dp or 1) * tp)
