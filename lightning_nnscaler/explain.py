@@ -41,7 +41,7 @@ import torch
 
 from lightning_nnscaler.ir.box import Box
 from lightning_nnscaler.ir.tensor import dtype_bytes
-from lightning_nnscaler.materialize.kept import KeptBytes
+from lightning_nnscaler.materialize.kept import KeptBytes, backward_seed_bytes
 from lightning_nnscaler.materialize.program import Collective, Compute, Program, Recv
 from lightning_nnscaler.plans.context import PipelinePlan
 
@@ -145,7 +145,7 @@ def _activations_and_messages(program: Program, rank: int, pipeline: PipelinePla
             _numel_of(action.shape) * dtype_bytes(action.dtype)
             for action in other.actions if isinstance(action, Recv) and action.src == rank
         )
-    activations = sum(kept.values()) if pipeline is None else _peak_kept(kept, pipeline.actions(rank))
+    activations = sum(kept.values()) if pipeline is None else _peak_kept(kept, backward_seed_bytes(program, rank), pipeline.actions(rank))
     return activations, sent
 
 
@@ -155,16 +155,20 @@ def ring_bytes(kind: str, ranks: int, buffer_bytes: int) -> int:
     return factor * (ranks - 1) * buffer_bytes // ranks
 
 
-def _peak_kept(kept: dict[object, int], actions: Sequence[Any]) -> int:
-    """The most activation bytes alive at once when ``actions`` run in order (freed at the last backward half)."""
+def _peak_kept(kept: dict[object, int], seeds: dict[object, int], actions: Sequence[Any]) -> int:
+    """The most activation bytes alive at once when ``actions`` run in order: each segment's ``kept`` from its F
+    to its last backward half, and the output gradients that seed its B (``seeds``) while B runs (until W)."""
     release = "W" if any(action.kind.value == "W" for action in actions) else "B"
     alive = peak = 0
     for action in actions:
-        segment = (action.stage, action.microbatch)
-        if action.kind.value == "F":
+        segment, kind = (action.stage, action.microbatch), action.kind.value
+        if kind == "F":
             alive += kept.get(segment, 0)
-        elif action.kind.value == release:
-            alive -= kept.get(segment, 0)
+        elif kind == "B":
+            peak = max(peak, alive + seeds.get(segment, 0))
+            alive += seeds.get(segment, 0) if release == "W" else 0
+        if kind == release:
+            alive -= kept.get(segment, 0) + (seeds.get(segment, 0) if release == "W" else 0)
         peak = max(peak, alive)
     return peak
 

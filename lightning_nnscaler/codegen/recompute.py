@@ -9,6 +9,7 @@ still recomputed, in as few contiguous blocks as the program allows.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -100,9 +101,22 @@ def block_lines(program: RankProgram, blocks: RecomputeBlocks, block: Block, act
     later_reads = {var for index, action in enumerate(program.actions) if index not in inside for var in reads(action)}
     graph_outputs = {output.var for output in program.outputs}
     results = [var for index in blocks.members[block] for var in program.actions[index].output_vars if var in later_reads or var in graph_outputs]
-    lines = [f"def {block.function}({', '.join(arguments)}):  # activations recomputed in backward"]
+    lines = wrapped(f"def {block.function}(", arguments, "):  # activations recomputed in backward")
     lines += ["    " + line for index in inner for line in action_lines(program.actions[index])]
     lines.append(f"    return ({', '.join(results)}{',' if len(results) == 1 else ''})")
     targets = ", ".join(results) + ("," if len(results) == 1 else "")
-    lines.append(f"{targets} = checkpoint({block.function}, {', '.join(arguments)})")
+    lines += wrapped(f"{targets} = checkpoint({block.function}, ", arguments, ")")
     return lines
+
+
+LINE_LENGTH = 120
+
+
+def wrapped(head: str, names: list[str], tail: str) -> list[str]:
+    """``head``, ``names`` comma-separated and ``tail`` on one line; where that is longer than ``LINE_LENGTH``
+    (a segment's block reads every parameter of its stage), the names on indented lines between them."""
+    line = head + ", ".join(names) + tail
+    if len(line) <= LINE_LENGTH:
+        return [line]
+    rows = textwrap.wrap(", ".join(names) + ",", LINE_LENGTH - 4, break_long_words=False, break_on_hyphens=False)
+    return [head.rstrip(), *("    " + row for row in rows), tail]

@@ -5,8 +5,13 @@ pieces, and whatever a differentiable op, collective or assembly makes of them; 
 receives), and which are views of another (an op's output that ``saved_by`` found sharing an input's
 storage, a single-slice assembly). Each op adds to its segment the bytes of the saved variables'
 roots not yet counted there, plus its own buffers; parameter, buffer and constant pieces are not
-counted (the measurement, ``sim.meter``, excludes them). ``explain`` and the simulator both count with it. No-grad ops keep nothing, recomputed ones their group's inputs from outside it;
-an op that cannot run on ``meta`` keeps all its outputs (counted in ``fallbacks``).
+counted (the measurement, ``sim.meter``, excludes them). ``explain`` and the simulator both count with it. No-grad ops keep nothing, recomputed ones their block's inputs from outside it
+(a recompute group is checkpointed in contiguous blocks, cut where an action outside the group reads a
+member's output, as ``codegen.recompute`` cuts it); an op that cannot run on ``meta`` keeps all its outputs (counted in ``fallbacks``).
+
+A pipeline segment's backward (B) also holds the gradients of the tensors the segment sent
+(``backward_seed_bytes``): the runtime seeds backward with their product with those tensors, which
+autograd saves until B is done (under zero-bubble schedules, until W).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Callable, Hashable
 
 from lightning_nnscaler.ir.saved import saved_by
 from lightning_nnscaler.ir.tensor import FLOATING, VTensor, dtype_bytes
-from lightning_nnscaler.materialize.program import Action, Assemble, Collective, Compute, Recv, RankProgram
+from lightning_nnscaler.materialize.program import Action, Assemble, Collective, Compute, Program, Recv, RankProgram, Segment, Send, reads
 
 UNCOUNTED_ROLES = ("parameter", "buffer", "constant")
 
@@ -30,8 +35,10 @@ class KeptBytes:
         self.roots: dict[str, str] = {}
         self.nbytes: dict[str, int] = {}
         self.counted: dict[Hashable, set[str]] = {}
-        self.group_of: dict[str, int | None] = {}
-        """The recompute group of the op that wrote each variable (None: not recomputed, or a held input)."""
+        self.block_of: dict[str, tuple[int, int]] = {}
+        """``(recompute group, block)`` of the recomputed op that wrote each variable."""
+        self.current_block: dict[int, int] = {}
+        """Per recompute group, the block its next member joins."""
         self.fallbacks = 0
         """Ops whose saved tensors could not be measured (all their outputs counted)."""
 
@@ -40,7 +47,8 @@ class KeptBytes:
         return self.roots.get(var, var)
 
     def follow(self, action: Action) -> None:
-        """Carry requires-grad and views through a communication or assembly action."""
+        """Carry requires-grad and views through a communication or assembly action; end the recompute blocks it reads."""
+        self._end_blocks_read_by(action)
         if isinstance(action, Assemble) and not action.zeros:
             if any(fragment.var in self.grad for fragment in action.fragments):
                 self.grad.add(action.var)
@@ -62,7 +70,10 @@ class KeptBytes:
             self.nbytes.setdefault(var, _bytes(piece))
         for var, piece in zip(action.output_vars, op.outputs):
             self.nbytes.setdefault(var, _bytes(piece))
-            self.group_of[var] = op.recompute
+            if op.recompute is None:
+                self.block_of.pop(var, None)
+            else:
+                self.block_of[var] = (op.recompute, self.current_block.setdefault(op.recompute, 0))
         requires_grad = [var in self.grad for var in action.input_vars]
         if op.no_grad:
             return 0
@@ -75,13 +86,24 @@ class KeptBytes:
             for output, position in saved.aliases:
                 self.roots[action.output_vars[output]] = self.root(action.input_vars[position])
         if op.recompute is not None:
-            block_inputs = [var for var in action.input_vars if self.group_of.get(var) != op.recompute]
+            block = (op.recompute, self.current_block[op.recompute])
+            block_inputs = [var for var in action.input_vars if self.block_of.get(var) != block]
             return self._count(action.segment, block_inputs)
         if saved is None:
             self.fallbacks += 1
             return self._count(action.segment, action.output_vars)
         variables = [action.input_vars[position] for position in saved.inputs] + [action.output_vars[position] for position in saved.outputs]
         return self._count(action.segment, variables) + saved.internal_bytes
+
+    def _end_blocks_read_by(self, action: Action) -> None:
+        """A recompute block ends where an action outside its group reads one of its outputs."""
+        if not isinstance(action, (Compute, Send, Assemble, Collective)):
+            return
+        group = action.op.recompute if isinstance(action, Compute) else None
+        for var in reads(action):
+            written = self.block_of.get(var)
+            if written is not None and written[0] != group and written[1] == self.current_block[written[0]]:
+                self.current_block[written[0]] += 1
 
     def _count(self, segment: Hashable, variables: list[str]) -> int:
         counted = self.counted.setdefault(segment, set())
@@ -93,6 +115,19 @@ class KeptBytes:
             counted.add(root)
             total += self.nbytes.get(root, self.nbytes[var])
         return total
+
+
+def backward_seed_bytes(program: Program, rank: int) -> dict[Segment, int]:
+    """Per segment of ``rank``: the bytes of the gradients its B receives for the boundary tensors it sent."""
+    received = {
+        (action.src, other.rank, action.tag): math.prod(action.shape) * dtype_bytes(action.dtype)
+        for other in program.ranks for action in other.actions if isinstance(action, Recv) and action.boundary
+    }
+    seeds: dict[Segment, int] = {}
+    for action in program.ranks[rank].actions:
+        if isinstance(action, Send) and action.boundary and action.gradient:
+            seeds[action.segment] = seeds.get(action.segment, 0) + received.get((rank, action.dst, action.tag), 0)
+    return seeds
 
 
 def _bytes(piece: VTensor) -> int:

@@ -10,6 +10,9 @@
   targets, masks) form the step's prologue, on the rank of their first reader.
 - **The schedule is op_order**: a ``schedules`` generator orders each rank's segments; it is
   validated (``schedules.validate``) before anything runs.
+- **Recompute per stage is op_recompute**: on the ranks of ``recompute_stages`` each segment is one
+  recompute group (``recompute_segments``). Under 1F1B stage ``r`` of ``p`` stashes ``p - r``
+  microbatches, so recomputing the first stages saves the most memory for the least time.
 
 Inside a stage, ``tp > 1`` splits each segment's ops Megatron-style over the stage's tensor-parallel
 ranks. Ranks form the grid ``dp × pp × tp`` (tp fastest): stage ``s`` lives on pipeline column
@@ -33,6 +36,7 @@ from lightning_nnscaler.plans.dp import split_batch
 from lightning_nnscaler.plans.layout import DeviceGrid, RecipeLayout
 from lightning_nnscaler.plans.megatron_tp import megatron_choice, tensor_parallel
 from lightning_nnscaler.plans.propagate import propagate, replicate
+from lightning_nnscaler.plans.recompute import op_recompute
 from lightning_nnscaler.primitives import TransformError, op_assign, op_orders, op_trans
 from lightning_nnscaler.plans.interlaced import SharedLayers, find_shared_layers, gather_lookups, vocabulary_choice, vocabulary_parallel_losses
 from lightning_nnscaler.schedules import Schedule, gpipe, interlaced, interleaved, lower, one_f_one_b, three_f_one_b, validate, zb1
@@ -47,34 +51,49 @@ PROLOGUE_STAGE = PROLOGUE[0]
 
 def gpipe_plan(
     graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None, layers_per_stage: str | None = None,
+    recompute_stages: str | None = None,
 ) -> None:
     """GPipe (Huang et al. 2019): all forwards, then all backwards; ``stages`` ranks (default: all)."""
-    pipeline(graph, ctx, schedule="gpipe", stages=stages, microbatches=microbatches, layers_per_stage=layer_counts(layers_per_stage))
+    pipeline(
+        graph, ctx, schedule="gpipe", stages=stages, microbatches=microbatches, layers_per_stage=layer_counts(layers_per_stage),
+        recompute_stages=stage_indices(recompute_stages),
+    )
 
 
 def one_f_one_b_plan(
     graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None, layers_per_stage: str | None = None,
+    recompute_stages: str | None = None,
 ) -> None:
-    """1F1B (PipeDream-Flush): warm-up forwards, then one forward one backward; at most p microbatches stashed."""
-    pipeline(graph, ctx, schedule="1f1b", stages=stages, microbatches=microbatches, layers_per_stage=layer_counts(layers_per_stage))
+    """1F1B (PipeDream-Flush): warm-up forwards, then one forward one backward; at most p microbatches stashed
+    (``p - r`` on stage ``r``, so recomputing the first stages saves the most)."""
+    pipeline(
+        graph, ctx, schedule="1f1b", stages=stages, microbatches=microbatches, layers_per_stage=layer_counts(layers_per_stage),
+        recompute_stages=stage_indices(recompute_stages),
+    )
 
 
 def interleaved_plan(
     graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None, virtual_stages: int = 2,
-    layers_per_stage: str | None = None,
+    layers_per_stage: str | None = None, recompute_stages: str | None = None,
 ) -> None:
-    """Interleaved 1F1B (Megatron): ``virtual_stages`` model chunks per rank; the bubble shrinks by that factor."""
+    """Interleaved 1F1B (Megatron): ``virtual_stages`` model chunks per rank; the bubble shrinks by that factor.
+    ``recompute_stages`` names pipeline ranks (columns): every chunk of a named rank is recomputed."""
     pipeline(
         graph, ctx, schedule="interleaved", stages=stages, microbatches=microbatches, virtual_stages=virtual_stages,
-        layers_per_stage=layer_counts(layers_per_stage),
+        layers_per_stage=layer_counts(layers_per_stage), recompute_stages=stage_indices(recompute_stages),
     )
 
 
 def zb1_plan(
     graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None, layers_per_stage: str | None = None,
+    recompute_stages: str | None = None,
 ) -> None:
-    """Zero-bubble ZB-H1 (Qi et al. 2024): backward split into input gradients (B) and weight gradients (W)."""
-    pipeline(graph, ctx, schedule="zb1", stages=stages, microbatches=microbatches, layers_per_stage=layer_counts(layers_per_stage))
+    """Zero-bubble ZB-H1 (Qi et al. 2024): backward split into input gradients (B) and weight gradients (W).
+    A recomputed stage runs its forward again in B and again in W (each backward pass recomputes)."""
+    pipeline(
+        graph, ctx, schedule="zb1", stages=stages, microbatches=microbatches, layers_per_stage=layer_counts(layers_per_stage),
+        recompute_stages=stage_indices(recompute_stages),
+    )
 
 
 def layer_counts(text: str | None) -> list[int] | None:
@@ -94,6 +113,26 @@ def layer_counts(text: str | None) -> list[int] | None:
     return counts
 
 
+def stage_indices(text: str | None) -> list[int] | None:
+    """``"0,1"`` -> ``[0, 1]`` (None stays None): the ``recompute_stages`` of a recipe.
+
+    Raises:
+        ValueError: naming ``recompute_stages`` when an entry is not a non-negative integer or repeats.
+    """
+    if text is None:
+        return None
+    try:
+        indices = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        raise ValueError(f"recompute_stages must be comma-separated stage indices such as '0,1', got {text!r}") from None
+    if any(index < 0 for index in indices):
+        raise ValueError(f"recompute_stages must be stage indices >= 0 (stage 0 is the first), got {text!r}")
+    repeated = sorted({index for index in indices if indices.count(index) > 1})
+    if repeated:
+        raise ValueError(f"recompute_stages names stage {', '.join(map(str, repeated))} more than once in {text!r}; name each stage once")
+    return indices
+
+
 def three_f_one_b_plan(graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None) -> None:
     """3F1B for models with recycling: each no-grad recycling pass is cut into ``stages`` forward-only
     stages, placed like the gradient pass's, and their forwards fill the gradient pass's bubbles."""
@@ -109,9 +148,12 @@ def interlaced_plan(
     pipeline(graph, ctx, schedule="interlaced", stages=stages, microbatches=microbatches, shared_layers=names)
 
 
-def hybrid3d(graph: Graph, ctx: PlanContext, *, dp: int = 1, tp: int = 1, pp: int = 2, microbatches: int | None = None) -> None:
+def hybrid3d(
+    graph: Graph, ctx: PlanContext, *, dp: int = 1, tp: int = 1, pp: int = 2, microbatches: int | None = None,
+    recompute_stages: str | None = None,
+) -> None:
     """dp × tp × pp: ``dp`` replicas, each a 1F1B pipeline of ``pp`` stages, each stage Megatron-split over ``tp`` ranks."""
-    pipeline(graph, ctx, schedule="1f1b", stages=pp, microbatches=microbatches, dp=dp, tp=tp)
+    pipeline(graph, ctx, schedule="1f1b", stages=pp, microbatches=microbatches, dp=dp, tp=tp, recompute_stages=stage_indices(recompute_stages))
 
 
 def pipeline_layout(world_size: int, params: dict[str, Any]) -> RecipeLayout:
@@ -133,7 +175,7 @@ def hybrid3d_layout(world_size: int, params: dict[str, Any]) -> RecipeLayout:
 def pipeline(
     graph: Graph, ctx: PlanContext, *, schedule: str, stages: int | None = None, microbatches: int | None = None,
     virtual_stages: int = 1, dp: int | None = None, tp: int = 1, shared_layers: Sequence[str] | None = None,
-    layers_per_stage: Sequence[int] | None = None,
+    layers_per_stage: Sequence[int] | None = None, recompute_stages: Sequence[int] | None = None,
 ) -> None:
     """Plan ``graph`` as a pipeline (see the module docstring); sets ``ctx.pipeline``.
 
@@ -149,9 +191,16 @@ def pipeline(
             pipeline's ranks (default: found from the graph, see ``plans.interlaced``).
         layers_per_stage: How many of the model's layers each stage (each chunk, for interleaved:
             ``stages × virtual_stages`` counts) holds, instead of cuts balanced by cost (see ``model_layers``).
+        recompute_stages: Pipeline ranks (0 … stages - 1) whose activations are recomputed in backward
+            (``recompute_segments``); for interleaved, every chunk of each named rank. Not for 3f1b or interlaced.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if recompute_stages and schedule in ("3f1b", "interlaced"):
+        raise ValueError(
+            f"{schedule}: recompute_stages is not supported (its forward-only or shared stages are not one rank's own); "
+            "use it with gpipe, 1f1b, zb1, interleaved or hybrid3d"
+        )
     if schedule == "3f1b":
         virtual_stages = count_recycles(graph)
     elif schedule != "interleaved" and virtual_stages != 1:
@@ -164,6 +213,7 @@ def pipeline(
     dp = dp or ctx.world_size // (pp * tp)
     if min(pp, dp, tp) < 1 or dp * pp * tp != ctx.world_size:
         raise ValueError(f"pipeline: dp ({dp}) × stages ({pp}) × tp ({tp}) must equal world_size ({ctx.world_size})")
+    _check_recompute_stages(recompute_stages, pp)
     batch = _batch_rows(graph)
     if batch % dp:
         raise ValueError(f"pipeline: the batch ({batch} rows) must divide into {dp} data-parallel replicas")
@@ -217,8 +267,42 @@ def pipeline(
                 op_assign(graph, copy, rank, segment=(pp + 1, microbatch))
     if tp > 1:
         _split_stages(graph, tp, grid, order, choose)
+    if recompute_stages:
+        recompute_segments(graph, order, recompute_stages)
     ctx.pipeline = PipelinePlan(order, tuple(grid.coordinate(rank, "pp") for rank in range(ctx.world_size)))
     order_forwards(graph, ctx.pipeline)
+
+
+def recompute_segments(graph: Graph, order: Schedule, columns: Sequence[int]) -> None:
+    """op_recompute: on the pipeline ranks ``columns``, each segment's ops form one recompute group.
+
+    Group ``stage × microbatches + microbatch`` is one (stage or chunk, microbatch) segment, so a
+    checkpointed block never crosses a segment boundary; the prologue and no-grad ops keep theirs.
+    """
+    recomputed = set(columns)
+    for op in list(graph.ops):
+        if op.segment is None or op.segment == PROLOGUE or op.no_grad:
+            continue
+        stage, microbatch = op.segment
+        if order.stage_ranks[stage] in recomputed:
+            op_recompute(graph, op, stage * order.microbatches + microbatch)
+
+
+def _check_recompute_stages(recompute_stages: Sequence[int] | None, stages: int) -> None:
+    """Raises ValueError naming ``recompute_stages`` when a stage is out of range or named twice."""
+    if not recompute_stages:
+        return
+    indices = list(recompute_stages)
+    if any(isinstance(index, bool) or not isinstance(index, int) for index in indices):
+        raise ValueError(f"pipeline: recompute_stages must be stage indices (ints), got {indices!r}")
+    outside = [index for index in indices if not 0 <= index < stages]
+    if outside:
+        raise ValueError(
+            f"pipeline: recompute_stages {indices} names stage {', '.join(map(str, outside))}, outside the pipeline's "
+            f"{stages} stages (0 to {stages - 1}; for interleaved, a stage is a pipeline rank and all its chunks)"
+        )
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"pipeline: recompute_stages {indices} names a stage more than once; name each stage once")
 
 
 def place_shared(graph: Graph, piece: Op, shared: SharedLayers, ranks: list[int], segment: tuple[int, int]) -> None:

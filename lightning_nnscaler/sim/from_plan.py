@@ -28,7 +28,7 @@ from typing import Any
 from lightning_nnscaler.ir.tensor import dtype_bytes
 from lightning_nnscaler.materialize.program import Assemble, Collective, Compute as ComputeAction, Program, Recv as RecvAction, Send as SendAction
 from lightning_nnscaler.sim.costs import FLOATING, ComputeModel
-from lightning_nnscaler.materialize.kept import KeptBytes
+from lightning_nnscaler.materialize.kept import KeptBytes, backward_seed_bytes
 from lightning_nnscaler.sim.tasks import Collective as CollectiveTask, Compute, Recv, Send, Task, WaitCollectives
 
 BUCKET_BYTES = 25 * 1024 * 1024
@@ -44,6 +44,8 @@ class _Chunk:
 
     forward: float = 0.0
     backward: float = 0.0
+    recompute: float = 0.0
+    """Forward seconds of its recomputed ops, run again by each backward pass (B, and W when split)."""
     kept: int = 0
 
 
@@ -115,7 +117,8 @@ class TaskBuilder:
                 time = self.compute.op_time(action.op)
                 recomputed = action.op.recompute is not None
                 chunk.forward += time.forward
-                chunk.backward += time.backward + (time.forward if recomputed and time.backward else 0.0)
+                chunk.backward += time.backward
+                chunk.recompute += time.forward if recomputed and time.backward else 0.0
                 chunk.kept += kept.kept(action)
             elif isinstance(action, Assemble):
                 nbytes = math.prod(action.piece.shape) * dtype_bytes(action.piece.tensor.dtype)
@@ -148,7 +151,7 @@ class TaskBuilder:
         for item in reversed(segment.items):
             if isinstance(item, _Chunk):
                 if item.backward:
-                    tasks.append(Compute(item.backward * share, "backward", label, activation_bytes=-item.kept if release else 0))
+                    tasks.append(Compute(item.backward * share + item.recompute, "backward", label, activation_bytes=-item.kept if release else 0))
                 elif release and item.kept:
                     tasks.append(Compute(0.0, "backward", label, activation_bytes=-item.kept))
             elif isinstance(item, SendAction) and self._floating_message(rank, item.dst, item.tag):
@@ -169,6 +172,7 @@ class TaskBuilder:
         actions = self.plan.pipeline.actions(rank)
         splits = any(action.kind.value == "W" for action in actions)
         backward_stages = {action.stage for action in actions if action.kind.value == "B"}
+        seeds = backward_seed_bytes(self.program, rank)
         tasks: list[Task] = []
         for key, segment in segments.items():
             if key is not None and key[0] < 0:  # the prologue, once, without gradients
@@ -181,13 +185,18 @@ class TaskBuilder:
                 tasks += self._forward(segment, rank, keep=action.stage in backward_stages, label=str(action))
                 tasks += [Send(message.dst, self.message_bytes.get((rank, message.dst, message.tag), 0)) for message in segment.outputs if message.dst != rank]
             elif kind == "B":
+                seed = seeds.get((action.stage, action.microbatch), 0)  # held while B runs (until W when split)
                 tasks += [Recv(message.dst) for message in segment.outputs if message.dst != rank and message.gradient]
+                tasks.append(Compute(0.0, "backward", str(action), activation_bytes=seed))
                 tasks += self._backward(segment, rank, 0.5 if splits else 1.0, release=not splits, label=str(action))
+                tasks += [] if splits else [Compute(0.0, "backward", str(action), activation_bytes=-seed)]
                 tasks += [Send(message.src, self.message_bytes.get((message.src, rank, message.tag), 0))
                           for message in segment.inputs if message.src != rank and message.gradient]
             else:
-                tasks.append(Compute(sum(item.backward for item in segment.items if isinstance(item, _Chunk)) * WEIGHT_PASS_SHARE, "weight",
-                                     str(action), activation_bytes=-segment.kept))
+                chunks = [item for item in segment.items if isinstance(item, _Chunk)]
+                seed = seeds.get((action.stage, action.microbatch), 0)
+                tasks.append(Compute(sum(item.backward * WEIGHT_PASS_SHARE + item.recompute for item in chunks), "weight",
+                                     str(action), activation_bytes=-(segment.kept + seed)))
         return tasks
 
     # --- gradient reduction and the optimizer step -------------------------------------------------------

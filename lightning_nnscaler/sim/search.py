@@ -3,11 +3,14 @@ traced graph and predicted by the simulator; the fastest that fits the memory li
 
 A candidate is a recipe and its parameters (``candidates``): data parallelism (dp, ZeRO 1 and 3), tensor
 parallelism at each degree (tp, hybrid dp × tp, sp), co-shard (shards, recompute), the pipelines (gpipe, 1f1b,
-zb1, interleaved, 3f1b, interlaced: stages, microbatches, virtual stages) and dp × tp × pp (hybrid3d). Each is planned on a
+zb1, interleaved, 3f1b, interlaced: stages, microbatches, virtual stages) and dp × tp × pp (hybrid3d); 1f1b, zb1 and
+hybrid3d also with the first stage recomputed, and with every stage (``RECOMPUTED_PIPELINES``). Each is planned on a
 copy of the graph, checked as ``parallelize`` checks it (the recipe's own ``ValueError``, the coverage check),
 materialized, and simulated with ``predict`` on the spec's roofline (deterministic: every rank of a run
 searches alike and gets the same plan). A candidate that cannot be built, or whose predicted peak exceeds the
-limit on some rank, stays in the result with the reason.
+limit on some rank, stays in the result with the reason. A recompute variant is only built when the plan
+recomputing less (without recompute, then the first stage only) is over the limit: recompute only adds time,
+so where that plan fits, it is faster.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ FAMILIES = ("dp", "zero1", "zero3", "tp", "sp", "hybrid", "coshard", "gpipe", "1
 """The catalog recipes the search explores, cheapest to plan first (ties in predicted time keep this order)."""
 PIPELINES = ("gpipe", "1f1b", "zb1", "interleaved", "3f1b", "interlaced")
 MICROBATCH_CHOICES = 3  # per stage count: the smallest divisors of the replica's batch that are >= stages
+RECOMPUTED_PIPELINES = ("1f1b", "zb1", "hybrid3d")
+"""Searched with ``recompute_stages`` too: the first stage (under 1F1B stage r stashes p - r microbatches) and every stage."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,13 @@ class Candidate:
 
     def __str__(self) -> str:
         return " ".join([self.recipe, *(f"{key}={value}" for key, value in self.params)])
+
+    @property
+    def without_recompute(self) -> Candidate | None:
+        """For a candidate with ``recompute_stages``, the same one without it; None for the others."""
+        if "recompute_stages" not in self.kwargs:
+            return None
+        return Candidate(self.recipe, tuple((key, value) for key, value in self.params if key != "recompute_stages"))
 
 
 @dataclass
@@ -191,7 +203,8 @@ def divisors(number: int) -> list[int]:
 def candidates(world_size: int, batch_rows: int, families: Sequence[str] = FAMILIES, *, max_pp: int | None = None) -> list[Candidate]:
     """Every candidate for ``world_size`` ranks and a batch of ``batch_rows``: degrees that divide the ranks,
     microbatch counts that divide a replica's batch (the ``MICROBATCH_CHOICES`` smallest at least the stage
-    count), ``max_pp`` bounding the pipeline stages. Whether a candidate fits the model is the build's to say."""
+    count), ``max_pp`` bounding the pipeline stages; each of ``RECOMPUTED_PIPELINES`` followed by its variants
+    recomputing the first stage and every stage. Whether a candidate fits the model is the build's to say."""
     splits = [value for value in divisors(world_size) if value > 1]
     stage_counts = [value for value in splits if max_pp is None or value <= max_pp]
     found: list[Candidate] = []
@@ -199,6 +212,10 @@ def candidates(world_size: int, batch_rows: int, families: Sequence[str] = FAMIL
     def add(recipe: str, **params: Any) -> None:
         if recipe in families:
             found.append(Candidate(recipe, tuple(params.items())))
+            if recipe in RECOMPUTED_PIPELINES:
+                stages = params.get("pp") or params["stages"]
+                for recomputed in ("0", ",".join(map(str, range(stages)))):
+                    found.append(Candidate(recipe, (*params.items(), ("recompute_stages", recomputed))))
 
     def microbatches(replicas: int, stages: int, multiple_of: int = 1) -> list[int]:
         rows = batch_rows // replicas if batch_rows % replicas == 0 else 0
@@ -284,8 +301,14 @@ def search(
     families = parse_recipes(recipes)
     hardware = load_spec(spec) if isinstance(spec, str) else spec
     limit = memory_limit(hardware, memory_limit_gb)
-    outcomes = [_evaluate(graph, world_size, candidate, hardware, limit, device)
-                for candidate in candidates(world_size, batch_rows(graph), families, max_pp=max_pp)]
+    outcomes: list[Outcome] = []
+    recomputing_less: dict[Candidate, Outcome] = {}  # a plan without recompute -> its latest variant (the plan itself first)
+    for candidate in candidates(world_size, batch_rows(graph), families, max_pp=max_pp):
+        plain = candidate.without_recompute
+        unneeded = _recompute_unneeded(recomputing_less[plain]) if plain in recomputing_less else ""
+        outcome = Outcome(candidate, reason=unneeded) if unneeded else _evaluate(graph, world_size, candidate, hardware, limit, device)
+        recomputing_less[plain or candidate] = outcome
+        outcomes.append(outcome)
     order = {outcome.candidate: index for index, outcome in enumerate(outcomes)}
     outcomes.sort(key=lambda outcome: (not outcome.fits, outcome.step_seconds if outcome.step_seconds is not None else float("inf"),
                                        order[outcome.candidate]))
@@ -306,6 +329,15 @@ def _evaluate(graph: Graph, world_size: int, candidate: Candidate, spec: Hardwar
         rank = peaks.index(outcome.peak_bytes)
         outcome.reason = f"peak {human_bytes(outcome.peak_bytes)} on rank {rank} is over the {human_bytes(limit)} limit"
     return outcome
+
+
+def _recompute_unneeded(less: Outcome) -> str:
+    """Why a recompute variant is not built (empty: build it), from ``less``, the plan recomputing less."""
+    if less.fits:
+        return f"not built: {less.candidate} fits the limit recomputing less, and recompute only adds time"
+    if less.built is None:
+        return less.reason if less.reason.startswith("not built") else f"not built: {less.candidate} cannot be built"
+    return ""
 
 
 def _first_line(error: Exception) -> str:

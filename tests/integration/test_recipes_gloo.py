@@ -1,7 +1,7 @@
 """Every recipe trains on real gloo processes exactly like a single device (AdamW, 10 steps): on GPT at
 4 ranks (hybrid is dp 2 x tp 2 there: real sub-groups) and on Swin at 2 ranks; in the 2-rank launch
 also the interlaced pipeline on the mBART-style reference and GPT's gpipe, 1f1b, interleaved and zb1
-pipelines (their 4-rank runs are in test_pipelines_gloo.py).
+pipelines (their 4-rank runs are in test_pipelines_gloo.py), 1f1b and zb1 with their first stage recomputed.
 
 Each recipe runs on real processes at 2 and at 4 ranks, on each model at least once. The other two
 pairings are proven by verify() at virtual ranks (the same generated code, run in one process):
@@ -19,7 +19,11 @@ from support.ranks import launch_ranks
 from workers import assert_trains_like_one_device, plan_recipes, single_device_run, train_planned_models  # noqa: E402 - tests/integration is on sys.path
 
 
-GPT_PIPELINES = [("gpipe", "gpipe", {}), ("1f1b", "1f1b", {}), ("interleaved", "interleaved", {"virtual_stages": 2}), ("zb1", "zb1", {})]
+GPT_PIPELINES = [
+    ("gpipe", "gpipe", {}), ("1f1b", "1f1b", {}), ("interleaved", "interleaved", {"virtual_stages": 2}), ("zb1", "zb1", {}),
+    # the first stage recomputed: checkpointed segments under 1F1B, and under zero-bubble's split B and W
+    ("1f1b recompute_stages=0", "1f1b", {"recompute_stages": "0"}), ("zb1 recompute_stages=0", "zb1", {"recompute_stages": "0"}),
+]
 ALSO_AT = {4: [], 2: [("mbart", [("interlaced", "interlaced", {})]), ("gpt", GPT_PIPELINES)]}
 """Pipelines trained in the same launch at that rank count (4 ranks: tests/integration/test_pipelines_gloo.py)."""
 COLLECTIVES = {"communication_cost": AlphaBeta(alpha=0.0, launch=0.0)}  # price by volume only: collectives win

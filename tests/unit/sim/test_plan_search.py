@@ -67,6 +67,36 @@ def test_candidates_cover_the_degrees_and_respect_max_pp() -> None:
     assert not [name for name in found if "stages=4" in name or "pp=4" in name]
 
 
+def test_1f1b_zb1_and_hybrid3d_are_also_candidates_recomputing_the_first_stage_and_every_stage() -> None:
+    found = [str(candidate) for candidate in candidates(4, 8, ("1f1b", "zb1", "hybrid3d", "gpipe"), max_pp=2)]
+    start = found.index("1f1b stages=2 microbatches=2")
+    assert found[start:start + 3] == ["1f1b stages=2 microbatches=2", "1f1b stages=2 microbatches=2 recompute_stages=0",
+                                      "1f1b stages=2 microbatches=2 recompute_stages=0,1"]
+    assert "hybrid3d dp=1 tp=2 pp=2 microbatches=2 recompute_stages=0" in found and "zb1 stages=2 microbatches=4 recompute_stages=0,1" in found
+    assert not [name for name in found if name.startswith("gpipe") and "recompute" in name]
+
+
+def test_under_a_memory_limit_the_search_recomputes_the_first_stage_only_when_that_fits(gpt_and_batch, graph) -> None:
+    families = {"recipes": "1f1b", "max_pp": 2}
+    everything = search(graph, 4, spec="cpu", memory_limit_gb=1e-9, **families)  # nothing fits: every variant is built
+    outcome = {str(outcome.candidate): outcome for outcome in everything.outcomes}
+    plain = outcome["1f1b stages=2 microbatches=2"]
+    first, every = outcome[f"{plain.candidate} recompute_stages=0"], outcome[f"{plain.candidate} recompute_stages=0,1"]
+    assert every.peak_bytes < first.peak_bytes < plain.peak_bytes and plain.step_seconds < first.step_seconds < every.step_seconds
+    limit = first.peak_bytes  # between recomputing every stage and none
+    limited = search(graph, 4, spec="cpu", memory_limit_gb=limit / 1e9, **families)
+    assert limited.best.candidate == first.candidate
+    chosen = {str(outcome.candidate): outcome for outcome in limited.outcomes}
+    assert chosen[str(plain.candidate)].reason.startswith("peak") and not chosen[str(plain.candidate)].fits
+    assert chosen[str(every.candidate)].reason.startswith(f"not built: {first.candidate} fits the limit recomputing less")
+    assert every.step_seconds > limited.best.step_seconds and every.peak_bytes <= limit  # it would fit, and is slower
+    model, batch = gpt_and_batch
+    plan = lnn.parallelize(model, batch, "auto", 4, step="training_step", spec="cpu", memory_limit_gb=limit / 1e9, **families)
+    assert plan.search.best.candidate == first.candidate
+    assert ["= checkpoint(" in source for source in plan.sources] == [True, False, True, False]  # stage 0 of both replicas
+    plan.verify()
+
+
 def test_cannot_build_is_a_reason_not_an_error(graph) -> None:
     result = search(graph, 4, spec="cpu", recipes="3f1b")  # GPT has no recycling passes
     assert not result.ranked and all(outcome.reason.startswith("cannot build: 3f1b:") for outcome in result.rejected)
