@@ -131,9 +131,15 @@ def ring_steps(kind: str, ranks: int) -> int:
 
 @dataclass(frozen=True)
 class CommModel:
-    """α–β communication on ``spec``'s links, or its fitted table (implements ``simulate.CommunicationModel``)."""
+    """α–β communication on ``spec``'s links, or its fitted table (implements ``simulate.CommunicationModel``).
+
+    ``world_size``: the ranks of the run. A fitted message time (``p2p``) is taken from the table's entry
+    for the most ranks not above it: on a machine whose ranks share cores (``cores_per_node``), a message
+    between two ranks costs more when other ranks keep the cores busy, and the calibration measures it so.
+    """
 
     spec: HardwareSpec
+    world_size: int = 2
 
     def link(self, ranks: tuple[int, ...]) -> Link:
         """The slowest link among ``ranks``: inter-node when they lie on more than one node."""
@@ -142,7 +148,9 @@ class CommModel:
 
     def p2p_seconds(self, src: int, dst: int, nbytes: int) -> tuple[float, float]:
         """(latency, transfer seconds) of one message."""
-        fit = self.spec.collectives.get("p2p", {}).get(2)
+        fits = self.spec.collectives.get("p2p", {})
+        measured = [ranks for ranks in fits if ranks <= max(self.world_size, 2)]
+        fit = fits[max(measured)] if measured else None
         if fit is not None:
             return fit[0], fit[1] * nbytes
         link = self.link((src, dst))
