@@ -30,7 +30,7 @@ from lightning_nnscaler.sim.specs import SPEC_DIRECTORY
 
 SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * 2**20)
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-REPEATS = 3
+REPEATS = 5
 ITERATIONS = 20
 BURST_SIZE = 160  # a matmul of about 0.3 ms in one thread: the compute between two collectives of a small step
 
@@ -96,7 +96,11 @@ def fit(world_size: int, per_rank: list[dict[str, list[tuple[int, float]]]]) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, default=SPEC_DIRECTORY / "cpu.yaml")
-    args = parser.parse_args()
+    calibrate(parser.parse_args().output)
+
+
+def calibrate(output: Path) -> None:
+    """Measure this machine and write its spec YAML to ``output`` (see the module docstring)."""
     torch.set_num_threads(1)
     compute = measure_compute()
     collectives: dict[str, dict[int, list[float]]] = {}
@@ -119,10 +123,10 @@ def main() -> None:
         "optimizer": [compute["optimizer_per_tensor"], compute["optimizer_per_element"]],
     }
     header = "# Measured by benchmarks/calibrate_comm.py (torch %s): compute in one thread, gloo over loopback.\n" % torch.__version__
-    args.output.write_text(header + yaml.safe_dump(spec, sort_keys=False))
+    output.write_text(header + yaml.safe_dump(spec, sort_keys=False))
     print(f"matmul {compute['flops'] / 1e9:.1f} GFLOP/s, copy {compute['bandwidth'] / 1e9:.1f} GB/s, op overhead "
           f"{compute['overhead'] * 1e6:.1f} us; AdamW {compute['optimizer_per_tensor'] * 1e6:.1f} us/tensor + "
-          f"{compute['optimizer_per_element'] * 1e9:.2f} ns/element; wrote {args.output}")
+          f"{compute['optimizer_per_element'] * 1e9:.2f} ns/element; wrote {output}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import lightning_nnscaler as lnn
 from lightning_nnscaler.launch import launch
 from lightning_nnscaler.sim.cluster import megatron_baseline, paper_shapes, search_cluster
 
-from simulator_accuracy import Payload, batch_of, build_model, timed_plan  # noqa: E402 - benchmarks/ is on sys.path
+from simulator_accuracy import RANK_PRELOAD, Payload, batch_of, build_model, timed_plan  # noqa: E402 - benchmarks/ is on sys.path
 
 WORLD_SIZE = 4
 CATALOG: list[tuple[str, dict[str, Any]]] = [
@@ -70,7 +70,7 @@ def search_and_measure(rounds: int, steps: int) -> None:
         rows.append({"name": name, "payload": payload_of(plan, steps), "predicted": predicted, "steps": []})
     for round_index in range(rounds):
         for row in rows:
-            results = launch(rank_main, WORLD_SIZE, row["payload"], timeout=300.0)
+            results = launch(rank_main, WORLD_SIZE, row["payload"], timeout=300.0, preload=RANK_PRELOAD)
             measured = [max(result["times"][index] for result in results) for index in range(steps)]
             row["steps"] += measured
             print(f"round {round_index}: {row['name']}: fastest {min(measured) * 1e3:.1f} ms (load average {os.getloadavg()[0]:.1f})", flush=True)

@@ -20,7 +20,7 @@ fastest are printed beside it to show the noise.
 
 Also prints the time to simulate the 1024-GPU GPT-3 175B plan (dp 8 × tp 8 × pp 16 on A100s).
 
-Run: python benchmarks/simulator_accuracy.py [--rounds 2] [--steps 4] [--only scale]
+Run: python benchmarks/simulator_accuracy.py [--rounds 2] [--steps 4] [--only scale|accuracy] [--calibrate]
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ from lightning_nnscaler.sim import CommModel, DeviceModel, Machine, Roofline, lo
 from lightning_nnscaler.sim.analytic import TransformerShape, transformer_task_lists
 from lightning_nnscaler.sim.meter import SavedMeter
 from lightning_nnscaler.sim.profile import ProfileDB, Profiled
+
+from calibrate_comm import calibrate  # noqa: E402 - benchmarks/ is on sys.path
 
 PLANS: list[tuple[str, str, int, dict[str, Any]]] = [
     ("gpt", "dp", 2, {}), ("gpt", "tp", 2, {}), ("gpt", "zero3", 2, {}), ("gpt", "coshard", 2, {"shards": 2}),
@@ -192,6 +194,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--only", choices=("scale", "accuracy"), default=None)
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure the cpu spec first (benchmarks/calibrate_comm.py) and predict with it, not the shipped one")
     args = parser.parse_args()
     if args.only != "accuracy":
         build, run, cpu, tasks = scale_seconds()
@@ -201,6 +205,10 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     spec = load_spec("cpu")
+    if args.calibrate:  # this machine's speed drifts over an hour (a VM's neighbours): measure it next to the plans
+        measured = Path(tempfile.mkdtemp(prefix="lnn-spec-")) / "cpu.yaml"
+        calibrate(measured)
+        spec = load_spec(measured)
     database = ProfileDB.open(directory=Path(tempfile.mkdtemp(prefix="lnn-profile-")))
     device = DeviceModel(spec, Profiled(database, Roofline(spec), statistic=min))
     rows = []
