@@ -96,19 +96,28 @@ def zb1_plan(
     )
 
 
+def comma_integers(text: str | int | None, key: str, what: str, example: str) -> list[int] | None:
+    """``"3,3,2"`` -> ``[3, 3, 2]`` (None stays None): a recipe parameter ``key`` given as comma-separated ``what``.
+
+    Raises:
+        ValueError: naming ``key`` and an ``example`` when an entry is not an integer.
+    """
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in str(text).split(",")]
+    except ValueError:
+        raise ValueError(f"{key} must be comma-separated {what} such as {example!r}, got {text!r}") from None
+
+
 def layer_counts(text: str | None) -> list[int] | None:
     """``"3,3,2"`` -> ``[3, 3, 2]`` (None stays None).
 
     Raises:
         ValueError: naming ``layers_per_stage`` when an entry is not a non-negative integer.
     """
-    if text is None:
-        return None
-    try:
-        counts = [int(part) for part in str(text).split(",")]
-    except ValueError:
-        raise ValueError(f"layers_per_stage must be comma-separated counts such as '3,3,2', got {text!r}") from None
-    if any(count < 0 for count in counts) or not any(counts):
+    counts = comma_integers(text, "layers_per_stage", "counts", "3,3,2")
+    if counts is not None and (any(count < 0 for count in counts) or not any(counts)):
         raise ValueError(f"layers_per_stage counts must be >= 0 and not all 0, got {text!r}")
     return counts
 
@@ -119,12 +128,9 @@ def stage_indices(text: str | None) -> list[int] | None:
     Raises:
         ValueError: naming ``recompute_stages`` when an entry is not a non-negative integer or repeats.
     """
-    if text is None:
+    indices = comma_integers(text, "recompute_stages", "stage indices", "0,1")
+    if indices is None:
         return None
-    try:
-        indices = [int(part) for part in str(text).split(",")]
-    except ValueError:
-        raise ValueError(f"recompute_stages must be comma-separated stage indices such as '0,1', got {text!r}") from None
     if any(index < 0 for index in indices):
         raise ValueError(f"recompute_stages must be stage indices >= 0 (stage 0 is the first), got {text!r}")
     repeated = sorted({index for index in indices if indices.count(index) > 1})
