@@ -273,7 +273,11 @@ class _Builder:
         search_sources, search_targets = {rank: entry[0] for rank, entry in sources.items()}, targets
         if self.pipelined:  # a segment's pieces cover its microbatch's rows: search within them
             search_sources, search_targets = _within_common_box(search_sources), _within_common_box(targets)
-        path = collective_path(search_sources, search_targets, CollectivesOnly(self.cost or AlphaBeta()) if shared else self.cost)
+        # Where a device adds up several value parts (co-shard's shards), the point-to-point
+        # fallback would move every part on its own, not the sum the search priced: collectives win.
+        summed = any(len(pieces) > 1 for pieces in by_rank.values())
+        cost = CollectivesOnly(self.cost or AlphaBeta()) if shared or summed else self.cost
+        path = collective_path(search_sources, search_targets, cost)
         if path is None:
             if shared:
                 raise MaterializeError(

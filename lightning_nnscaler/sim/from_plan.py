@@ -4,8 +4,8 @@ Non-pipelined plans: the rank's program in order (forward), then its transpose i
 (backward: compute twice the work, a send becomes a receive of the gradient, a receive a send, a
 collective its adjoint — ``runtime.autograd_comm``'s table), then the gradient reduction
 (``runtime.reducer``: stage 0 all-reduces buckets of ``BUCKET_BYTES`` per ranks tuple; ZeRO
-reduce-scatters each replicated box and all-gathers it, stage 1 after the optimizer step, stage 3
-before the forward), the AdamW step over what the rank steps, and the loss sum.
+reduce-scatters buckets of the replicated boxes and all-gathers them, stage 1 after the optimizer
+step, stage 3 before the forward), the AdamW step over what the rank steps, and the loss sum.
 
 Pipelined plans run the schedule's actions (``PipelinePlan.actions(rank)``) as ``runtime.pipeline``
 does: the prologue once, then per ``F(s, m)`` the boundary receives, the segment's forward and
@@ -91,7 +91,7 @@ class TaskBuilder:
         segments = self._segments(rank)
         tasks: list[Task] = []
         if self.plan.zero_stage == 3:
-            tasks += [CollectiveTask("all_gather", ranks, nbytes, "zero3 gather") for ranks, nbytes, _ in self._replicated(rank)]
+            tasks += [CollectiveTask("all_gather", ranks, nbytes, "zero3 gather") for ranks, nbytes in _zero_buckets(self._replicated(rank))]
         if self.plan.pipeline is None:
             segment = segments.get(None, _Segment())
             tasks += self._forward(segment, rank)
@@ -219,11 +219,11 @@ class TaskBuilder:
             for ranks, nbytes in _buckets(replicated):
                 tasks.append(CollectiveTask("all_reduce", ranks, nbytes, "gradient bucket", blocking=False))
         else:
-            tasks += [CollectiveTask("reduce_scatter", ranks, nbytes, "zero gradients") for ranks, nbytes, _ in replicated]
+            tasks += [CollectiveTask("reduce_scatter", ranks, nbytes, "zero gradients") for ranks, nbytes in _zero_buckets(replicated)]
         tasks.append(WaitCollectives("gradients"))
         tasks.append(Compute(self.compute.optimizer_seconds(self._stepped(rank)), "optimizer", "AdamW"))
         if stage == 1:
-            tasks += [CollectiveTask("all_gather", ranks, nbytes, "zero1 gather") for ranks, nbytes, _ in replicated]
+            tasks += [CollectiveTask("all_gather", ranks, nbytes, "zero1 gather") for ranks, nbytes in _zero_buckets(replicated)]
         return tasks
 
     def _stepped(self, rank: int) -> list[int]:
@@ -239,10 +239,15 @@ class TaskBuilder:
         return numels
 
 
-def _buckets(replicated: list[tuple[tuple[int, ...], int, int]]) -> list[tuple[tuple[int, ...], int]]:
+def _zero_buckets(replicated: list[tuple[tuple[int, ...], int, int]]) -> list[tuple[tuple[int, ...], int]]:
+    """ZeRO's buckets: per ranks tuple, boxes in registration order cut at ``BUCKET_BYTES``, by ranks tuple."""
+    return sorted(_buckets(replicated, reverse=False), key=lambda bucket: bucket[0])
+
+
+def _buckets(replicated: list[tuple[tuple[int, ...], int, int]], reverse: bool = True) -> list[tuple[tuple[int, ...], int]]:
     """Stage 0's buckets: per ranks tuple, boxes in reverse registration order cut at ``BUCKET_BYTES``."""
     by_group: dict[tuple[int, ...], list[int]] = {}
-    for ranks, nbytes, _ in reversed(replicated):
+    for ranks, nbytes, _ in (reversed(replicated) if reverse else replicated):
         by_group.setdefault(ranks, []).append(nbytes)
     buckets = []
     for ranks, sizes in by_group.items():
