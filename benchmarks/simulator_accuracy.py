@@ -20,7 +20,7 @@ fastest are printed beside it to show the noise.
 
 Also prints the time to simulate the 1024-GPU GPT-3 175B plan (dp 8 × tp 8 × pp 16 on A100s).
 
-Run: python benchmarks/simulator_accuracy.py [--rounds 2] [--steps 4] [--only scale|accuracy] [--calibrate]
+Run: python benchmarks/simulator_accuracy.py [--rounds 2] [--steps 4] [--only scale|accuracy] [--calibrate] [--plan TEXT ...]
 """
 
 from __future__ import annotations
@@ -194,6 +194,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--only", choices=("scale", "accuracy"), default=None)
+    parser.add_argument("--plan", action="append", default=[], metavar="TEXT",
+                        help="run only the plans whose name contains TEXT (e.g. 'gpt coshard'); repeatable")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure the cpu spec first (benchmarks/calibrate_comm.py) and predict with it, not the shipped one")
     args = parser.parse_args()
@@ -213,6 +215,9 @@ def main() -> None:
     device = DeviceModel(spec, Profiled(database, Roofline(spec), statistic=min))
     rows = []
     for model_name, recipe, world_size, params in PLANS:
+        name = " ".join([model_name, recipe, *(f"{key}={value}" for key, value in params.items()), f"x{world_size}"])
+        if args.plan and not any(text in name for text in args.plan):
+            continue
         model = build_model(model_name)
         plan = lnn.parallelize(model, batch_of(model), recipe, world_size, step="training_step", **params)
         prediction = predict(plan, spec, device)
@@ -221,7 +226,7 @@ def main() -> None:
         # transient is ZeRO's full gradients (not metered: left out here too) and, stage 3, the gathered boxes (metered)
         gathered = [row["transient"] // 2 if plan.zero_stage == 3 else 0 for row in prediction.memory]
         comparable = [peak - row["transient"] + box for peak, row, box in zip(prediction.peak_bytes, prediction.memory, gathered, strict=True)]
-        rows.append({"name": " ".join([model_name, recipe, *(f"{key}={value}" for key, value in params.items()), f"x{world_size}"]), "payload": payload,
+        rows.append({"name": name, "payload": payload,
                      "world": world_size, "predicted": prediction.step_seconds, "predicted_memory": comparable, "rounds": []})
         print(f"planned {rows[-1]['name']}: predicted {prediction.step_seconds * 1e3:.1f} ms", flush=True)
     for round_index in range(args.rounds):
