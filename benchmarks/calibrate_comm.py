@@ -2,11 +2,10 @@
 
 For 2 and 4 local gloo ranks (one intra-op thread each, as the benchmarks run them), times each
 collective the runtime uses (``TorchDistributedCommunicator``: all_reduce, all_gather,
-reduce_scatter, all_to_all) and point-to-point messages (one way: even ranks send after a burst of
-compute, odd ranks wait in the receive, pairs at once) at a few buffer sizes, interleaved, the fastest of the repeats (on a shared machine other processes only add time); fits ``time = alpha + beta · ring bytes`` per kind and
+reduce_scatter, all_to_all) and point-to-point messages (send on rank 0, recv on rank 1) at a few
+buffer sizes, interleaved, the fastest of the repeats (on a shared machine other processes only add time); fits ``time = alpha + beta · ring bytes`` per kind and
 group size (``sim.costs.ring_bytes``). One process measures matmul FLOP/s, copy bandwidth, the
-per-op overhead and AdamW's step (``sim.calibrate``), and how fast a rank computes when every core
-does (``shared_core_speed``: a small training burst alone, then on every core at once). Writes the spec YAML (default: the package's
+per-op overhead and AdamW's step (``sim.calibrate``). Writes the spec YAML (default: the package's
 ``sim/specs/cpu.yaml``) and prints the fits.
 
 Run: python benchmarks/calibrate_comm.py [--output PATH]      (about a minute on 2 cores)
@@ -25,7 +24,7 @@ import yaml
 
 from lightning_nnscaler.launch import launch
 from lightning_nnscaler.runtime import TorchDistributedCommunicator
-from lightning_nnscaler.sim.calibrate import fit_alpha_beta, measure_compute, training_burst_seconds
+from lightning_nnscaler.sim.calibrate import fit_alpha_beta, measure_compute
 from lightning_nnscaler.sim.costs import ring_bytes
 from lightning_nnscaler.sim.specs import SPEC_DIRECTORY
 
@@ -43,7 +42,8 @@ def rank_main(rank: int, world_size: int) -> dict[str, list[tuple[int, float]]]:
     cost is the difference per iteration (the fastest of ``REPEATS`` such loops). Timed back to back
     after a barrier, an idle gloo rank answers at once; in a step the peer is still computing and the
     scheduler must wake the rank's communication thread first, which on a machine with as many busy
-    ranks as cores costs more than the transfer itself. Messages are timed one way (``one_way``)."""
+    ranks as cores costs more than the transfer itself (p2p is the exchange tensor parallelism runs:
+    each rank sends, then receives; pairs 0-1 and 2-3 at once with 4 ranks)."""
     torch.set_num_threads(1)
     communicator = TorchDistributedCommunicator(60.0)
     everyone = tuple(range(world_size))
@@ -57,7 +57,10 @@ def rank_main(rank: int, world_size: int) -> dict[str, list[tuple[int, float]]]:
         start = time.perf_counter()
         for tag in range(ITERATIONS):
             burst @ burst
-            if kind == "all_reduce":
+            if kind == "p2p":
+                communicator.send(buffer, peer, tag)
+                communicator.recv(buffer.shape, buffer.dtype, peer, tag)
+            elif kind == "all_reduce":
                 communicator.all_reduce(buffer, everyone)
             elif kind == "all_gather":
                 communicator.all_gather(buffer, 0, everyone)
@@ -69,56 +72,20 @@ def rank_main(rank: int, world_size: int) -> dict[str, list[tuple[int, float]]]:
         dist.barrier()
         return (time.perf_counter() - start) / ITERATIONS
 
-    def one_way(buffer: torch.Tensor) -> float:
-        """Seconds from a send, issued after a burst, to the return of the receive the peer waits in: the
-        simulator's message time (when the receiver is still busy, the message waits for it instead).
-        The clock is the machine's monotonic one, shared by the ranks; the send time travels in the message."""
-        fastest = float("inf")
-        for tag in range(ITERATIONS):
-            dist.barrier()
-            if rank % 2 == 0:
-                burst @ burst
-                buffer[0] = time.perf_counter()
-                communicator.send(buffer, peer, tag)
-                communicator.wait_sends()
-            else:
-                received = communicator.recv(buffer.shape, buffer.dtype, peer, tag)
-                fastest = min(fastest, time.perf_counter() - received[0].item())
-        return fastest
-
     for _ in range(REPEATS):
         for nbytes in SIZES:
             buffer = torch.randn(nbytes // 4)
             bursts = loop("none", buffer)
-            for kind in KINDS:
+            for kind in (*KINDS, "p2p"):
                 samples.setdefault((kind, nbytes), []).append(loop(kind, buffer) - bursts)
-            if rank % 2:
-                samples.setdefault(("p2p", nbytes), []).append(one_way(torch.randn(nbytes // 8, dtype=torch.float64)))
-            else:
-                one_way(torch.randn(nbytes // 8, dtype=torch.float64))
     return {kind: [(nbytes, max(min(times), 0.0)) for (other, nbytes), times in samples.items() if other == kind] for kind in (*KINDS, "p2p")}
-
-
-def shared_burst(rank: int, world_size: int) -> float:
-    """The training burst's fastest time on this rank while every rank runs it (one per core)."""
-    torch.set_num_threads(1)
-    dist.barrier()
-    return training_burst_seconds()
-
-
-def shared_core_speed() -> float:
-    """A rank's compute speed with every core busy, relative to alone: the training burst timed in this
-    process alone, then on as many ranks as cores at once (their mean)."""
-    alone = training_burst_seconds()
-    together = launch(shared_burst, os.cpu_count() or 1, timeout=300.0)
-    return min(1.0, alone / (sum(together) / len(together)))
 
 
 def fit(world_size: int, per_rank: list[dict[str, list[tuple[int, float]]]]) -> dict[str, tuple[float, float]]:
     """α, β per kind over the ring bytes (the slowest rank's cost at each size)."""
     fits = {}
     for kind in (*KINDS, "p2p"):
-        ranks = [rank for rank in per_rank if rank[kind]]  # messages are timed on the receiving ranks
+        ranks = per_rank
         sizes = [nbytes for nbytes, _ in ranks[0][kind]]
         seconds = [max(dict(rank[kind])[nbytes] for rank in ranks) for nbytes in sizes]
         moved = [ring_bytes(kind, world_size, nbytes) for nbytes in sizes]
@@ -136,7 +103,6 @@ def calibrate(output: Path) -> None:
     """Measure this machine and write its spec YAML to ``output`` (see the module docstring)."""
     torch.set_num_threads(1)
     compute = measure_compute()
-    speed = shared_core_speed()
     collectives: dict[str, dict[int, list[float]]] = {}
     for world_size in (2, 4):
         for kind, (alpha, beta) in fit(world_size, launch(rank_main, world_size, timeout=300.0)).items():
@@ -151,7 +117,6 @@ def calibrate(output: Path) -> None:
         "op_overhead_s": compute["overhead"],
         "ranks_per_node": 64,
         "cores_per_node": os.cpu_count(),
-        "shared_core_speed": speed,
         "links": {"intra_node": {"bandwidth": 1 / collectives["p2p"][2][1], "latency": collectives["p2p"][2][0]},
                   "inter_node": {"bandwidth": 1 / collectives["p2p"][2][1], "latency": collectives["p2p"][2][0]}},
         "collectives": collectives,
@@ -159,7 +124,6 @@ def calibrate(output: Path) -> None:
     }
     header = "# Measured by benchmarks/calibrate_comm.py (torch %s): compute in one thread, gloo over loopback.\n" % torch.__version__
     output.write_text(header + yaml.safe_dump(spec, sort_keys=False))
-    print(f"with every core busy a rank computes at {speed:.2f} of its speed alone")
     print(f"matmul {compute['flops'] / 1e9:.1f} GFLOP/s, copy {compute['bandwidth'] / 1e9:.1f} GB/s, op overhead "
           f"{compute['overhead'] * 1e6:.1f} us; AdamW {compute['optimizer_per_tensor'] * 1e6:.1f} us/tensor + "
           f"{compute['optimizer_per_element'] * 1e9:.2f} ns/element; wrote {output}")

@@ -61,20 +61,3 @@ def _adamw_fit() -> tuple[float, float]:
     per_element = max(large_time - per_tensor, 0.0) / large[1]
     return per_tensor, per_element
 
-
-def training_burst_seconds(repeats: int = 15) -> float:
-    """The fastest of ``repeats`` forward and backward passes of a small transformer feed-forward block
-    (layer norm, two linears, GELU; 512 tokens of width 128, as the reference models' ranks run them):
-    the workload ``benchmarks/calibrate_comm.py`` times alone and on every core at once."""
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randn(512, 128, generator=generator)
-    norm = torch.nn.LayerNorm(128)
-    up, down = torch.nn.Linear(128, 512), torch.nn.Linear(512, 128)
-
-    def step() -> None:
-        for _ in range(4):
-            hidden = norm(tokens)
-            output = down(torch.nn.functional.gelu(up(hidden)))
-            output.sum().backward()
-
-    return timed_seconds(step, repeats=repeats, warmup=3)

@@ -1,9 +1,8 @@
 """The event-driven engine: ranks that share a node's cores slow each other down (processor sharing).
 
 A heap of events in time order (compute ends, wake-ups). With ``k`` ranks computing on a node of
-``c`` cores each runs at ``min(1, c / k)``, times the slowdown of cores computing side by side
-(``Machine.compute_rate``); every start or end of a compute task on the node re-rates the others.
-``simulate`` uses it when ``Machine.cores_per_node`` is set.
+``c`` cores each runs at ``min(1, c / k)``; every start or end of a compute task on the node
+re-rates the others. ``simulate`` uses it when ``Machine.cores_per_node`` is set.
 """
 
 from __future__ import annotations
@@ -141,7 +140,7 @@ class EventRun:
         self.last_update[node] = self.now
         if not changed or not running:
             return
-        rate = self.machine.compute_rate(len(running))
+        rate = min(1.0, self.machine.cores_per_node / len(running))
         for rank, work in running.items():
             work[1] = rate
             self.version[rank] += 1

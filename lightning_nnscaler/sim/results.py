@@ -19,20 +19,10 @@ class CommunicationModel(Protocol):
 @dataclass(frozen=True)
 class Machine:
     """Where the ranks run: ``ranks_per_node`` consecutive ranks per node; ``cores_per_node`` compute slots
-    shared by a node's ranks (None: one device per rank, no sharing); ``shared_core_speed`` a rank's speed
-    while all the cores compute, relative to computing alone (``HardwareSpec.shared_core_speed``)."""
+    shared by a node's ranks (None: one device per rank, no sharing)."""
 
     ranks_per_node: int = 8
     cores_per_node: int | None = None
-    shared_core_speed: float = 1.0
-
-    def compute_rate(self, computing: int) -> float:
-        """Each rank's speed when ``computing`` ranks of a node compute at once: its share of the cores, times
-        the shared-core slowdown, which grows linearly from none (one rank) to ``shared_core_speed`` (all cores busy)."""
-        cores = self.cores_per_node or computing
-        busy = min(computing, cores)
-        slowdown = 1.0 if cores == 1 else 1.0 - (1.0 - self.shared_core_speed) * (busy - 1) / (cores - 1)
-        return min(1.0, cores / computing) * slowdown
 
 
 @dataclass

@@ -8,8 +8,8 @@ sender→receiver channel for its transfer time, and arrives a latency later); `
 message; a collective starts when its last member has reached it and every member's stream for that
 group is free, and lasts what ``CommunicationModel.collective_seconds`` says. Ranks that share a
 node's CPU cores (``Machine.cores_per_node``) share them as processor sharing: with ``k`` ranks
-computing on ``c`` cores, each runs at ``min(1, c / k)`` of its speed, less the slowdown of cores
-computing side by side (``Machine.compute_rate``; a GPU rank has a device of its own: ``cores_per_node`` None).
+computing on ``c`` cores, each runs at ``min(1, c / k)`` of its speed (a GPU rank has a device of
+its own: ``cores_per_node`` None).
 
 Two engines give the same times where both apply: without shared cores, list scheduling
 (``replay.ListRun``: each rank runs as far as it can, a blocked rank sleeps on the one message or

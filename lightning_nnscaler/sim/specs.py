@@ -43,9 +43,6 @@ class HardwareSpec:
         op_overhead_s: fixed time per op (launch, framework dispatch).
         ranks_per_node: ranks on one node (they use ``intra_node`` links).
         cores_per_node: compute slots a node's ranks share (CPU); None: one device per rank.
-        shared_core_speed: with ``cores_per_node`` set, each rank's compute speed while every core of the
-            node computes, relative to one rank computing alone (the cores share caches, memory bandwidth
-            and the clock budget); 1.0: no such slowdown.
         intra_node, inter_node: the links within and across nodes.
         collectives: fitted ``{kind: {group size: [alpha, beta]}}`` (``time = alpha + beta × ring bytes``);
             ``p2p`` is the point-to-point fit. Missing entries fall back to ring formulas over the links.
@@ -62,7 +59,6 @@ class HardwareSpec:
     intra_node: Link
     inter_node: Link
     cores_per_node: int | None = None
-    shared_core_speed: float = 1.0
     collectives: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
     optimizer: tuple[float, float] | None = None
     """Measured AdamW step: (seconds per tensor, seconds per element); None: the roofline's memory-bound estimate."""
@@ -131,7 +127,6 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> HardwareSpec:
         intra_node=Link(float(links["intra_node"]["bandwidth"]), float(links["intra_node"]["latency"])),
         inter_node=Link(float(links["inter_node"]["bandwidth"]), float(links["inter_node"]["latency"])),
         cores_per_node=None if data.get("cores_per_node") is None else int(data["cores_per_node"]),
-        shared_core_speed=float(data.get("shared_core_speed", 1.0)),
         collectives=collectives,
         optimizer=None if data.get("optimizer") is None else (float(data["optimizer"][0]), float(data["optimizer"][1])),
     )

@@ -82,19 +82,6 @@ def test_ranks_sharing_cores_slow_down_only_while_they_overlap() -> None:
     assert result.step_seconds == pytest.approx(2.5)
 
 
-def test_cores_computing_side_by_side_run_at_the_shared_core_speed() -> None:
-    machine = Machine(ranks_per_node=4, cores_per_node=2, shared_core_speed=0.8)
-    assert [machine.compute_rate(computing) for computing in (1, 2, 4)] == pytest.approx([1.0, 0.8, 0.4])
-    alone = simulate([[Compute(1.0)]], Fixed(), machine)
-    pair = simulate([[Compute(1.0)], [Compute(1.0)]], Fixed(), machine)
-    staggered = simulate([[Compute(1.0)], [Compute(0.4)]], Fixed(), machine)
-    assert alone.step_seconds == pytest.approx(1.0)
-    assert pair.step_seconds == pytest.approx(1.25)
-    # together until the short task ends at 0.5 s (0.4 s of work at 0.8), then alone at full speed: 0.6 s left
-    assert staggered.ranks[1].end == pytest.approx(0.5)
-    assert staggered.step_seconds == pytest.approx(1.1)
-
-
 def test_a_receive_that_no_one_sends_is_a_deadlock() -> None:
     with pytest.raises(DeadlockError, match="rank 0 stuck"):
         simulate([[Recv(1)], [Recv(0)]], Fixed())
