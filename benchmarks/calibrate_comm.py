@@ -1,32 +1,49 @@
-"""Calibrate the ``cpu`` hardware spec on this machine: compute microbenchmarks and gloo collectives.
+"""Calibrate the ``cpu`` hardware spec on this machine: compute microbenchmarks, gloo collectives timed in loops
+and inside training steps, and a roofline fitted to the ops of small plans.
 
-For 2 and 4 local gloo ranks (one intra-op thread each, as the benchmarks run them), times each
-collective the runtime uses (``TorchDistributedCommunicator``: all_reduce, all_gather,
-reduce_scatter, all_to_all) and point-to-point messages (send on rank 0, recv on rank 1) at a few
-buffer sizes, interleaved, the fastest of the repeats (on a shared machine other processes only add time); fits ``time = alpha + beta · ring bytes`` per kind and
-group size (``sim.costs.ring_bytes``). One process measures matmul FLOP/s, copy bandwidth, the
-per-op overhead and AdamW's step (``sim.calibrate``). Writes the spec YAML (default: the package's
-``sim/specs/cpu.yaml``) and prints the fits.
+1. One process measures matmul FLOP/s, copy bandwidth, a bare op's dispatch and AdamW's step (``sim.calibrate``).
+2. For 2 and 4 local gloo ranks (one intra-op thread each, as the benchmarks run them), every collective the
+   runtime uses (``TorchDistributedCommunicator``: all_reduce, all_gather, reduce_scatter, all_to_all) and an
+   exchange of messages, in loops between short bursts of compute at a few buffer sizes, the fastest of the
+   repeats; fitted ``time = alpha + beta · ring bytes`` per kind and group size (``sim.costs.ring_bytes``).
+3. The calibration GPT (vocab 256, 32 tokens, 2 layers, 4 heads, widths 64 and 192; not a model the
+   accuracy benchmark runs) trains a few steps under dp, tp, zero3 and 1f1b at 2 and 4 ranks with every
+   communication operation timed where the step meets it (``sim.in_step``); where a kind and group size
+   was seen at two sizes or more, its in-step fit replaces the loop's. Here that is every kind the plans
+   use but all-to-all: an all-reduce costs several times its loop figure in a step, a message far less.
+4. Every op of those plans is timed alone (``sim.profile``) and the roofline's per-op overhead and
+   efficiency are fitted to them (``sim.calibrate.fit_roofline``): the search prices ops with the roofline.
 
-Run: python benchmarks/calibrate_comm.py [--output PATH]      (about a minute on 2 cores)
+Writes the spec YAML (default: the package's ``sim/specs/cpu.yaml``) and prints the fits.
+
+Run: python benchmarks/calibrate_comm.py [--output PATH]      (about three minutes on 2 cores)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import yaml
 
+import lightning_nnscaler as lnn
+from lightning_nnscaler.codegen import module_from_source
 from lightning_nnscaler.launch import launch
+from lightning_nnscaler.models.gpt import GPT, GPTConfig
 from lightning_nnscaler.runtime import TorchDistributedCommunicator
-from lightning_nnscaler.sim.calibrate import fit_alpha_beta, measure_compute
-from lightning_nnscaler.sim.costs import ring_bytes
-from lightning_nnscaler.sim.specs import SPEC_DIRECTORY
+from lightning_nnscaler.runtime.executor import RankExecutor
+from lightning_nnscaler.materialize.program import Compute
+from lightning_nnscaler.sim.calibrate import fit_alpha_beta, fit_roofline, measure_compute
+from lightning_nnscaler.sim.costs import Roofline, ring_bytes
+from lightning_nnscaler.sim.in_step import Event, LoggedCommunicator, fit_in_step, in_step_durations
+from lightning_nnscaler.sim.profile import ProfileDB, Profiled
+from lightning_nnscaler.sim.specs import SPEC_DIRECTORY, HardwareSpec, spec_from_dict
 
 SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * 2**20)
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -93,6 +110,81 @@ def fit(world_size: int, per_rank: list[dict[str, list[tuple[int, float]]]]) -> 
     return fits
 
 
+CALIBRATION_WIDTHS = (64, 192)
+CALIBRATION_PLANS: list[tuple[str, int, dict[str, Any]]] = [
+    (recipe, world_size, {"stages": world_size, "microbatches": 4} if recipe == "1f1b" else {})
+    for world_size in (2, 4) for recipe in ("dp", "tp", "zero3", "1f1b")
+]
+STEPS = 6
+
+
+def calibration_model(width: int) -> Any:
+    """The calibration GPT (vocab 256, 32 tokens, 2 layers, 4 heads) of ``width``, seed-0 weights."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, seq_len=32, hidden=width, layers=2, heads=4))
+    model.log = lambda *args, **kwargs: None
+    return model
+
+
+def logged_steps(rank: int, world_size: int, width: int, sources: list[str], constants: dict[str, torch.Tensor],
+                 names: list[str], offsets: list[dict[str, int]]) -> list[list[Event]]:
+    """This rank's communication events in each of ``STEPS`` training steps (forward/backward, AdamW; two untimed first)."""
+    torch.set_num_threads(1)
+    model = calibration_model(width)
+    inputs = dict(zip(names, lnn.flatten_inputs(model.example_batch(8, torch.Generator().manual_seed(0)), step="training_step")))
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    communicator = LoggedCommunicator(60.0)
+    executor = RankExecutor(module_from_source(sources[rank], f"calibration_rank{rank}"), rank, state, constants, communicator,
+                            input_offsets=offsets[rank])
+    optimizer = torch.optim.AdamW(executor.parameters())
+    steps = []
+    for index in range(STEPS + 2):
+        communicator.events = []
+        dist.barrier()
+        executor.forward_backward(inputs)
+        optimizer.step()
+        executor.after_optimizer_step()
+        dist.barrier()
+        if index >= 2:
+            steps.append(communicator.events)
+    return steps
+
+
+def calibration_plans() -> list[tuple[int, lnn.Plan]]:
+    """Every ``CALIBRATION_PLANS`` plan of the calibration GPT at both widths, as ``(width, plan)``."""
+    plans = []
+    for width in CALIBRATION_WIDTHS:
+        for recipe, world_size, params in CALIBRATION_PLANS:
+            model = calibration_model(width)
+            batch = model.example_batch(8, torch.Generator().manual_seed(0))
+            plans.append((width, lnn.parallelize(model, batch, recipe, world_size, step="training_step", **params)))
+    return plans
+
+
+def in_step_fits(plans: list[tuple[int, lnn.Plan]]) -> dict[str, dict[int, tuple[float, float]]]:
+    """α–β fits of the communication in training steps of ``plans`` on gloo ranks (``sim.in_step``)."""
+    samples: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for width, plan in plans:
+        offsets = [plan.input_offsets(rank) for rank in range(plan.world_size)]
+        names = [tensor.name for tensor in plan.graph.user_inputs]
+        per_rank = launch(logged_steps, plan.world_size, width, plan.sources, dict(plan.graph.constant_values), names, offsets,
+                          timeout=300.0, preload=("lightning_nnscaler",))
+        for step in zip(*per_rank, strict=True):
+            for key, points in in_step_durations(step).items():
+                samples.setdefault(key, []).extend(points)
+    return fit_in_step(samples)
+
+
+def roofline_fit(spec: HardwareSpec, plans: list[tuple[int, lnn.Plan]]) -> tuple[float, float]:
+    """Per-op overhead and efficiency of the roofline fitted to every op of every rank of ``plans``, each timed
+    alone in this process (``sim.profile``, fastest repeats; ``sim.calibrate.fit_roofline``)."""
+    with tempfile.TemporaryDirectory(prefix="lnn-profile-") as folder:
+        profiled = Profiled(ProfileDB.open(directory=Path(folder)), Roofline(spec), statistic=min)
+        ops = [action.op for _, plan in plans for program in plan.program.ranks for action in program.actions
+               if isinstance(action, Compute)]
+        return fit_roofline(spec, ops, [profiled.op_time(op) for op in ops])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, default=SPEC_DIRECTORY / "cpu.yaml")
@@ -107,21 +199,32 @@ def calibrate(output: Path) -> None:
     for world_size in (2, 4):
         for kind, (alpha, beta) in fit(world_size, launch(rank_main, world_size, timeout=300.0)).items():
             collectives.setdefault(kind, {})[world_size] = [alpha, beta]
+    loop_p2p = collectives["p2p"][2]  # the links (the fallback for what no table entry covers) keep the loop's figures
+    plans = calibration_plans()
+    for kind, by_size in in_step_fits(plans).items():
+        for world_size, (alpha, beta) in by_size.items():
+            collectives.setdefault(kind, {})[world_size] = [alpha, beta]
+            print(f"{kind:>15} p={world_size}: in training steps alpha {alpha * 1e6:8.1f} us, beta {beta * 1e9:7.3f} ns/B")
+    for kind, by_size in collectives.items():
+        for world_size, (alpha, beta) in sorted(by_size.items()):
             print(f"{kind:>15} p={world_size}: alpha {alpha * 1e6:8.1f} us, beta {beta * 1e9:7.3f} ns/B ({1 / beta / 1e9 if beta else float('inf'):.2f} GB/s)")
     spec = {
         "name": f"cpu ({os.cpu_count()} cores, 1 thread per rank, gloo)",
         "memory_bytes": float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
         "peak_flops": {"float32": compute["flops"]},
         "memory_bandwidth": compute["bandwidth"],
-        "matmul_efficiency": 1.0, "memory_efficiency": 1.0,  # measured rates already are achieved rates
+        "matmul_efficiency": 1.0, "memory_efficiency": 1.0,  # fitted below (roofline_fit)
         "op_overhead_s": compute["overhead"],
         "ranks_per_node": 64,
         "cores_per_node": os.cpu_count(),
-        "links": {"intra_node": {"bandwidth": 1 / collectives["p2p"][2][1], "latency": collectives["p2p"][2][0]},
-                  "inter_node": {"bandwidth": 1 / collectives["p2p"][2][1], "latency": collectives["p2p"][2][0]}},
+        "links": {"intra_node": {"bandwidth": 1 / loop_p2p[1], "latency": loop_p2p[0]},
+                  "inter_node": {"bandwidth": 1 / loop_p2p[1], "latency": loop_p2p[0]}},
         "collectives": collectives,
         "optimizer": [compute["optimizer_per_tensor"], compute["optimizer_per_element"]],
     }
+    overhead, efficiency = roofline_fit(spec_from_dict(spec, "measured"), plans)
+    spec.update(op_overhead_s=overhead, matmul_efficiency=efficiency, memory_efficiency=efficiency)
+    print(f"roofline fitted to the calibration plans' ops: {overhead * 1e6:.1f} us per op, {efficiency:.2f} of the peak rates")
     header = "# Measured by benchmarks/calibrate_comm.py (torch %s): compute in one thread, gloo over loopback.\n" % torch.__version__
     output.write_text(header + yaml.safe_dump(spec, sort_keys=False))
     print(f"matmul {compute['flops'] / 1e9:.1f} GFLOP/s, copy {compute['bandwidth'] / 1e9:.1f} GB/s, op overhead "

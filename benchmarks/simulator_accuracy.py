@@ -4,14 +4,16 @@ Each plan (GPT, mBART-style and Evoformer-style reference models; dp, tp, coshar
 1f1b, interleaved, zb1, interlaced, 3f1b at 2 and 4 ranks) is planned in this process and run on fresh
 gloo processes (one intra-op thread per rank): warm-up steps, then timed steps of
 ``forward_backward`` + AdamW ``step`` (barrier before and after; a step's time is the slowest
-rank's). All plans run once per round, rounds interleaved; the measured time is the median over
-rounds of each round's median, and the spread (max/min over rounds) is printed as the noise.
+rank's). All plans run once per round, rounds interleaved. The noise floor compares the measurement with
+itself: each plan's fastest step in the even rounds against the odd rounds', with the same two figures the
+goals ask of the prediction (mean absolute difference, Kendall τ).
 
 Measured peak memory per rank: the bytes of the tensors the rank holds (parameter pieces, their
 gradients, the optimizer's state; under ZeRO-3 also the boxes gathered for the step) plus the peak
 of saved-for-backward activations during a step (``saved_tensors_hooks``, as ``benchmarks/pipeline.py``). Predicted: ``sim.predict`` with the
 ``cpu`` spec (``benchmarks/calibrate_comm.py``) and op times measured in one thread into a fresh
-profile folder for the run. Nothing is fitted to these plans.
+profile folder for the run. Nothing is fitted to these plans: the spec's communication figures come from
+steps of a separate calibration GPT (other widths, vocab and length; ``calibrate_comm.py``).
 
 Machine load: on a shared machine other processes only ever add time, so every timing here is the
 fastest reading — the op profile's repeats, the spec's microbenchmarks, and the measured step (the
@@ -173,6 +175,16 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return float(score / len(pairs)) if pairs else 1.0
 
 
+def noise_floor(rows: list[dict[str, Any]]) -> str:
+    """How well the measurement agrees with itself: each plan's fastest step in the even rounds against the odd
+    rounds', as the mean absolute difference and Kendall τ (what the goals ask of the prediction)."""
+    even = [min(row["round_fastest"][0::2]) for row in rows]
+    odd = [min(row["round_fastest"][1::2]) for row in rows]
+    difference = statistics.mean(abs(a / b - 1) for a, b in zip(even, odd, strict=True))
+    return (f"noise floor: the even rounds' fastest steps against the odd rounds' differ by {difference:.1%} on average, "
+            f"Kendall tau {kendall_tau(even, odd):.2f} (a prediction cannot be checked closer than the measurement repeats)")
+
+
 def scale_seconds() -> tuple[float, float, float, int]:
     """Wall seconds to build and to simulate the 1024-GPU GPT-3 175B 1F1B plan, the CPU seconds of both, and its task count.
 
@@ -198,6 +210,7 @@ def main() -> None:
                         help="run only the plans whose name contains TEXT (e.g. 'gpt coshard'); repeatable")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure the cpu spec first (benchmarks/calibrate_comm.py) and predict with it, not the shipped one")
+    parser.add_argument("--spec", type=Path, default=None, help="predict with this spec YAML (default: the shipped cpu spec)")
     args = parser.parse_args()
     if args.only != "accuracy":
         build, run, cpu, tasks = scale_seconds()
@@ -206,7 +219,7 @@ def main() -> None:
     if args.only == "scale":
         return
     torch.set_num_threads(1)
-    spec = load_spec("cpu")
+    spec = load_spec(args.spec or "cpu")
     if args.calibrate:  # this machine's speed drifts over an hour (a VM's neighbours): measure it next to the plans
         measured = Path(tempfile.mkdtemp(prefix="lnn-spec-")) / "cpu.yaml"
         calibrate(measured)
@@ -234,6 +247,7 @@ def main() -> None:
             results = launch(rank_main, row["world"], row["payload"], timeout=300.0, preload=RANK_PRELOAD)
             steps = [max(result["times"][index] for result in results) for index in range(args.steps)]
             row["rounds"] += steps
+            row["round_fastest"] = [*row.get("round_fastest", []), min(steps)]
             row["memory"] = [result["memory"] for result in results]
             print(f"round {round_index}: {row['name']} fastest {min(steps) * 1e3:.1f} ms, median {statistics.median(steps) * 1e3:.1f} ms, "
                   f"predicted {row['predicted'] * 1e3:.1f} ms (load average {os.getloadavg()[0]:.1f})", flush=True)
@@ -248,6 +262,8 @@ def main() -> None:
         errors = [abs(row["predicted"] / row[key] - 1) for row in rows]
         print(f"step time vs the {label}: mean absolute error {statistics.mean(errors):.1%} (goal <= 10 %), "
               f"Kendall tau {kendall_tau([row[key] for row in rows], predicted):.2f} (goal >= 0.9)")
+    if args.rounds >= 2 and len(rows) >= 2:
+        print(noise_floor(rows))
     memory_errors = [row["memory_error"] for row in rows]
     print(f"peak memory per rank: mean error {statistics.mean(memory_errors):.1%}, worst {max(memory_errors):.1%} (goal within 10 %); "
           f"{len(rows)} plans, {args.rounds} rounds of {args.steps} steps, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores, "

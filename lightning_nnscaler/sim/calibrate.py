@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
+
+from lightning_nnscaler.ir.op import Op
+from lightning_nnscaler.sim.costs import VIEWS, OpTime, op_work, roofline_seconds
+from lightning_nnscaler.sim.specs import HardwareSpec
 
 
 def timed_seconds(run: Callable[[], object], repeats: int = 7, warmup: int = 2, statistic: Callable[[list[float]], float] = min) -> float:
@@ -61,3 +66,28 @@ def _adamw_fit() -> tuple[float, float]:
     per_element = max(large_time - per_tensor, 0.0) / large[1]
     return per_tensor, per_element
 
+
+
+def fit_roofline(spec: HardwareSpec, ops: Sequence[Op], measured: Sequence[OpTime]) -> tuple[float, float]:
+    """The per-op overhead and the efficiency (one share of peak FLOP/s and bandwidth) that make ``spec``'s
+    roofline best match ``measured`` times of ``ops`` (forward, and backward at twice the work), by least
+    squares on the seconds (what a step adds up); view-like ops, which move nothing, are left out.
+
+    A bare one-element add gives the dispatch alone; an op inside a model also allocates its output, records
+    autograd's node, and runs at small shapes below the peak rates of a large matmul: the roofline priced
+    with those two figures misses per-rank op costs of a small model by a third here, and more for plans with
+    more, smaller ops (an interleaved pipeline's), which is what ranks plans wrongly.
+    """
+    alone = replace(spec, op_overhead_s=0.0, matmul_efficiency=1.0, memory_efficiency=1.0)
+    rows, targets = [], []
+    for op, times in zip(ops, measured, strict=True):
+        if op.target in VIEWS:
+            continue
+        work = op_work(op)
+        work_seconds = roofline_seconds(alone, work.flops, work.nbytes, work.dtype, work.matmul)
+        for multiple, seconds in ((1.0, times.forward), (2.0, times.backward if work.has_backward else 0.0)):
+            if seconds > 0:
+                rows.append((1.0, multiple * work_seconds))
+                targets.append(seconds)
+    (overhead, slowdown), *_ = np.linalg.lstsq(np.asarray(rows), np.asarray(targets), rcond=None)
+    return max(float(overhead), 0.0), 1.0 / max(float(slowdown), 1e-3)

@@ -71,3 +71,24 @@ def test_profile_keys_separate_shapes_and_dtypes_and_the_cache_round_trips(tmp_p
     database.save()
     again = Profiled(ProfileDB.open(directory=tmp_path), Roofline(load_spec("cpu")), measure=False)
     assert again.op_time(linear(16, 32, 32)) == measured and again.misses == 0
+
+
+def test_the_fitted_roofline_recovers_the_overhead_and_efficiency_that_made_the_times() -> None:
+    from dataclasses import replace
+
+    from lightning_nnscaler.sim.calibrate import fit_roofline
+    from lightning_nnscaler.sim.costs import OpTime
+
+    spec = load_spec("cpu")
+    truth = replace(spec, op_overhead_s=12e-6, matmul_efficiency=0.8, memory_efficiency=0.8)
+    ops = [linear(tokens, inner, outer) for tokens in (8, 64, 512) for inner in (32, 256) for outer in (64, 1024)]
+    times = [Roofline(truth).op_time(op) for op in ops]
+    overhead, efficiency = fit_roofline(spec, ops, times)
+    assert overhead == pytest.approx(12e-6, rel=1e-6) and efficiency == pytest.approx(0.8, rel=1e-6)
+    fitted = replace(spec, op_overhead_s=overhead, matmul_efficiency=efficiency, memory_efficiency=efficiency)
+    fitted_times = [Roofline(fitted).op_time(op) for op in ops]
+    flat = [seconds for time in fitted_times for seconds in (time.forward, time.backward)]
+    assert flat == pytest.approx([seconds for time in times for seconds in (time.forward, time.backward)])
+    # a view moves nothing: its measured time, however large, is not fitted
+    view = Op("view", "aten.view.default", (PTensor("a", (4, 4)).full(),), outputs=(PTensor("b", (16,)).full(),))
+    assert fit_roofline(spec, [*ops, view], [*times, OpTime(1.0, 1.0)]) == pytest.approx((overhead, efficiency))

@@ -1,0 +1,155 @@
+"""Communication timed inside training steps: what the simulator's α–β fits are calibrated on.
+
+A microbenchmark times a collective in a loop of its own; a training step meets it after a stretch of
+compute, with the other ranks arriving at their own times, and on a machine whose ranks share cores
+(gloo over loopback) the two differ by several times, both ways: here one all-reduce of 3.7 MB takes
+1.5 ms in a loop and 6 ms (median) in a data-parallel step, while a message the receiver already waits
+for arrives in 0.1 ms, not the 0.35 ms of a loop of exchanges.
+
+``LoggedCommunicator`` records, on every rank, when each operation was issued and when it returned (the
+ranks of one machine share its monotonic clock). ``in_step_durations`` matches the ranks' records: a
+collective lasts from its last member's arrival to its return (an asynchronous one only where a rank
+blocked in its wait, else its end is unknown); a message, from its send to the return of a receive that
+was already waiting (the one-way time the simulator prices; a receive that comes later finds the
+message there or on its way). ``fit_in_step`` fits ``alpha + beta · ring bytes`` per kind and group size
+over the median of each size.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_nnscaler.runtime.comm import TorchDistributedCommunicator
+from lightning_nnscaler.sim.calibrate import fit_alpha_beta
+from lightning_nnscaler.sim.costs import ring_bytes
+
+BLOCKED_AT_LEAST = 5e-5
+"""An asynchronous collective's wait that returned sooner than this did not block: its end is unknown."""
+
+
+@dataclass
+class Event:
+    """One communication operation on one rank: ``key`` is the peer pair (src, dst) or the group's ranks."""
+
+    kind: str
+    key: tuple[int, ...]
+    nbytes: int
+    issued: float
+    returned: float | None = None
+    wait_started: float | None = None
+
+
+class LoggedCommunicator(TorchDistributedCommunicator):
+    """``TorchDistributedCommunicator`` that records an ``Event`` per send, receive and collective in ``events``."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(timeout)
+        self.events: list[Event] = []
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        """Send, recording when it was issued and when the call returned (the send itself goes on after it)."""
+        event = Event("send", (self.rank, dst), tensor.numel() * tensor.element_size(), time.perf_counter())
+        super().send(tensor, dst, tag)
+        event.returned = time.perf_counter()
+        self.events.append(event)
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
+        """Receive, recording when it was issued and when it returned."""
+        issued = time.perf_counter()
+        tensor = super().recv(shape, dtype, src, tag)
+        self.events.append(Event("recv", (src, self.rank), tensor.numel() * tensor.element_size(), issued, time.perf_counter()))
+        return tensor
+
+    def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
+        """Sum, recorded."""
+        return self._logged("all_reduce", ranks, tensor, lambda: super(LoggedCommunicator, self).all_reduce(tensor, ranks))
+
+    def all_gather(self, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
+        """Gather, recorded."""
+        return self._logged("all_gather", ranks, tensor, lambda: super(LoggedCommunicator, self).all_gather(tensor, dim, ranks))
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
+        """Reduce-scatter, recorded."""
+        return self._logged("reduce_scatter", ranks, tensor, lambda: super(LoggedCommunicator, self).reduce_scatter(tensor, dim, ranks))
+
+    def all_to_all(self, tensor: torch.Tensor, split_dim: int, concat_dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
+        """All-to-all, recorded."""
+        return self._logged("all_to_all", ranks, tensor, lambda: super(LoggedCommunicator, self).all_to_all(tensor, split_dim, concat_dim, ranks))
+
+    def all_reduce_async(self, tensor: torch.Tensor, ranks: tuple[int, ...], *, in_place: bool = False) -> Any:
+        """Start a sum; its handle's ``wait`` records when the wait began and returned."""
+        event = Event("all_reduce", tuple(ranks), tensor.numel() * tensor.element_size(), time.perf_counter())
+        handle = super().all_reduce_async(tensor, ranks, in_place=in_place)
+        self.events.append(event)
+        wait = handle.wait
+
+        def logged_wait() -> torch.Tensor:
+            event.wait_started = time.perf_counter()
+            result = wait()
+            event.returned = time.perf_counter()
+            return result
+
+        handle.wait = logged_wait
+        return handle
+
+    def _logged(self, kind: str, ranks: tuple[int, ...], tensor: torch.Tensor, run: Any) -> torch.Tensor:
+        issued = time.perf_counter()
+        result = run()
+        self.events.append(Event(kind, tuple(ranks), tensor.numel() * tensor.element_size(), issued, time.perf_counter()))
+        return result
+
+
+def in_step_durations(rank_events: Sequence[Sequence[Event]]) -> dict[tuple[str, int], list[tuple[int, float]]]:
+    """``(kind, group size) -> [(bytes per rank, seconds)]`` from one step's events of every rank (see the module
+    docstring); messages are ``("p2p", world size)``. The k-th collective over a group is the same on every rank."""
+    samples: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
+    collectives: dict[tuple[str, tuple[int, ...], int], dict[int, Event]] = defaultdict(dict)
+    sends: dict[tuple[int, ...], list[Event]] = defaultdict(list)
+    receives: dict[tuple[int, ...], list[Event]] = defaultdict(list)
+    for rank, events in enumerate(rank_events):
+        count: dict[tuple[str, tuple[int, ...]], int] = defaultdict(int)
+        for event in events:
+            if event.kind == "send":
+                sends[event.key].append(event)
+            elif event.kind == "recv":
+                receives[event.key].append(event)
+            else:
+                number = count[event.kind, event.key]
+                count[event.kind, event.key] += 1
+                collectives[event.kind, event.key, number][rank] = event
+    for (kind, group, _), members in collectives.items():
+        if len(members) < len(group):
+            continue
+        last_arrival = max(event.issued for event in members.values())
+        ends = [event.returned for event in members.values() if event.returned is not None
+                and (event.wait_started is None or event.returned - event.wait_started >= BLOCKED_AT_LEAST)]
+        if ends:
+            samples[kind, len(group)].append((next(iter(members.values())).nbytes, max(ends) - last_arrival))
+    for pair, sent in sends.items():
+        for send, receive in zip(sent, receives.get(pair, []), strict=False):
+            if receive.issued <= send.issued and receive.returned is not None:  # the receiver was waiting
+                samples["p2p", len(rank_events)].append((send.nbytes, receive.returned - send.issued))
+    return dict(samples)
+
+
+def fit_in_step(samples: dict[tuple[str, int], list[tuple[int, float]]], min_sizes: int = 2) -> dict[str, dict[int, tuple[float, float]]]:
+    """``{kind: {group size: (alpha, beta)}}`` over the median seconds of each size (``sim.costs.ring_bytes``);
+    a kind and group size seen at fewer than ``min_sizes`` sizes is left out (its loop fit stands)."""
+    fits: dict[str, dict[int, tuple[float, float]]] = {}
+    for (kind, ranks), points in samples.items():
+        by_size: dict[int, list[float]] = defaultdict(list)
+        for nbytes, seconds in points:
+            by_size[nbytes].append(seconds)
+        if len(by_size) < min_sizes:
+            continue
+        sizes = sorted(by_size)
+        moved = [ring_bytes(kind, ranks, nbytes) for nbytes in sizes]
+        fits.setdefault(kind, {})[ranks] = fit_alpha_beta(moved, [statistics.median(by_size[nbytes]) for nbytes in sizes])
+    return fits

@@ -1,0 +1,46 @@
+"""``sim.in_step.LoggedCommunicator`` on real gloo ranks: what it records matches across ranks into durations."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from support.ranks import launch_ranks
+
+from lightning_nnscaler.sim.in_step import Event, LoggedCommunicator, in_step_durations
+
+
+def logged_rank(rank: int, world_size: int) -> list[Event]:
+    """A message the receiver waits for, a blocking sum, a gather and an asynchronous sum waited on."""
+    communicator = LoggedCommunicator(30.0)
+    communicator.create_groups([(0, 1)])
+    communicator.all_reduce(torch.ones(1), (0, 1))  # gloo connects on first use: not what is timed here
+    communicator.events = []
+    if rank == 0:
+        time.sleep(0.02)  # rank 1 is already waiting in its receive
+        communicator.send(torch.ones(16), 1, tag=3)
+        communicator.wait_sends()
+    else:
+        communicator.recv((16,), torch.float32, 0, tag=3)
+    communicator.all_reduce(torch.ones(8), (0, 1))
+    communicator.all_gather(torch.ones(4), 0, (0, 1))
+    handle = communicator.all_reduce_async(torch.ones(32), (0, 1))
+    if rank == 0:
+        time.sleep(0.02)  # rank 1 blocks in its wait until rank 0 joins the sum
+    assert torch.equal(handle.wait(), torch.full((32,), 2.0))
+    return communicator.events
+
+
+def test_logged_gloo_operations_become_in_step_durations() -> None:
+    events = launch_ranks(logged_rank, 2, timeout=60.0)
+    assert [event.kind for event in events[0]] == ["send", "all_reduce", "all_gather", "all_reduce"]
+    assert [event.kind for event in events[1]] == ["recv", "all_reduce", "all_gather", "all_reduce"]
+    durations = in_step_durations(events)
+    assert set(durations) == {("p2p", 2), ("all_reduce", 2), ("all_gather", 2)}
+    assert [nbytes for nbytes, _ in durations["p2p", 2]] == [64]
+    assert sorted(nbytes for nbytes, _ in durations["all_reduce", 2]) == [32, 128]  # the async sum: rank 1 blocked in it
+    assert all(seconds >= 0 for points in durations.values() for _, seconds in points)
+    rank1_sum = events[1][-1]
+    # the async sum ends where rank 1's blocked wait returned; rank 0's wait, 20 ms later, did not block and is not its end
+    assert dict(durations["all_reduce", 2])[128] == rank1_sum.returned - max(events[0][-1].issued, rank1_sum.issued)

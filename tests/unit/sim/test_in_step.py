@@ -1,0 +1,54 @@
+"""``sim.in_step``: communication timed inside steps, matched across ranks and fitted."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_nnscaler.sim.in_step import Event, fit_in_step, in_step_durations
+
+
+def test_a_collective_lasts_from_its_last_arrival_to_its_return() -> None:
+    rank0 = [Event("all_reduce", (0, 1), 1000, issued=1.0, returned=1.5)]
+    rank1 = [Event("all_reduce", (0, 1), 1000, issued=1.2, returned=1.5)]
+    assert in_step_durations([rank0, rank1]) == {("all_reduce", 2): [(1000, pytest.approx(0.3))]}
+
+
+def test_the_kth_collective_of_a_group_is_matched_with_the_kth_on_every_rank() -> None:
+    first, second = (0, 1), (0, 1)
+    rank0 = [Event("all_reduce", first, 8, 0.0, 0.1), Event("all_reduce", second, 16, 1.0, 1.4)]
+    rank1 = [Event("all_reduce", first, 8, 0.05, 0.1), Event("all_reduce", second, 16, 1.3, 1.4)]
+    points = sorted(in_step_durations([rank0, rank1])[("all_reduce", 2)])
+    assert points == [(8, pytest.approx(0.05)), (16, pytest.approx(0.1))]
+
+
+def test_an_async_sum_whose_wait_did_not_block_gives_no_sample() -> None:
+    """Its end lies somewhere before the wait: unknown, so it is not counted as the wait's return."""
+    rank0 = [Event("all_reduce", (0, 1), 64, issued=0.0, returned=2.0, wait_started=2.0 - 1e-6)]
+    rank1 = [Event("all_reduce", (0, 1), 64, issued=0.1, returned=2.5, wait_started=2.5 - 1e-6)]
+    assert in_step_durations([rank0, rank1]) == {}
+    rank1[0].wait_started = 0.2  # this rank waited from 0.2 to 2.5: the sum took until then
+    assert in_step_durations([rank0, rank1]) == {("all_reduce", 2): [(64, pytest.approx(2.4))]}
+
+
+def test_a_message_counts_only_where_the_receiver_was_already_waiting() -> None:
+    sender = [Event("send", (0, 1), 256, issued=1.0), Event("send", (0, 1), 256, issued=3.0)]
+    receiver = [Event("recv", (0, 1), 256, issued=0.5, returned=1.1), Event("recv", (0, 1), 256, issued=3.5, returned=3.6)]
+    assert in_step_durations([sender, receiver]) == {("p2p", 2): [(256, pytest.approx(0.1))]}
+
+
+def test_a_collective_some_member_did_not_reach_is_left_out() -> None:
+    rank0 = [Event("all_gather", (0, 1), 32, 0.0, 0.2)]
+    assert in_step_durations([rank0, []]) == {}
+
+
+def test_fits_need_two_sizes_and_use_each_sizes_median() -> None:
+    samples = {
+        ("all_reduce", 2): [(1000, 0.002), (1000, 0.003), (1000, 0.100), (3000, 0.004), (3000, 0.005), (3000, 0.004)],
+        ("p2p", 2): [(64, 0.001)],
+    }
+    fits = fit_in_step(samples)
+    assert set(fits) == {"all_reduce"}  # one size of messages: the loop's fit stands
+    alpha, beta = fits["all_reduce"][2]
+    # medians 3 ms at 1000 B and 4 ms at 3000 B; all-reduce moves 2(p-1)/p of the buffer: the same bytes at p = 2
+    assert beta == pytest.approx(0.001 / 2000)
+    assert alpha == pytest.approx(0.003 - 1000 * beta)
