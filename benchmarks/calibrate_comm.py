@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -41,7 +42,8 @@ from lightning_nnscaler.runtime.executor import RankExecutor
 from lightning_nnscaler.materialize.program import Compute
 from lightning_nnscaler.sim.calibrate import fit_alpha_beta, fit_roofline, measure_compute
 from lightning_nnscaler.sim.costs import Roofline, ring_bytes
-from lightning_nnscaler.sim.in_step import Event, LoggedCommunicator, fit_in_step, in_step_durations
+from lightning_nnscaler.sim.in_step import Event, LoggedCommunicator, busy_issue_seconds, communication_seconds, fit_in_step, in_step_durations
+from lightning_nnscaler.sim.predict import DeviceModel, predict
 from lightning_nnscaler.sim.profile import ProfileDB, Profiled
 from lightning_nnscaler.sim.specs import SPEC_DIRECTORY, HardwareSpec, spec_from_dict
 
@@ -127,8 +129,9 @@ def calibration_model(width: int) -> Any:
 
 
 def logged_steps(rank: int, world_size: int, width: int, sources: list[str], constants: dict[str, torch.Tensor],
-                 names: list[str], offsets: list[dict[str, int]]) -> list[list[Event]]:
-    """This rank's communication events in each of ``STEPS`` training steps (forward/backward, AdamW; two untimed first)."""
+                 names: list[str], offsets: list[dict[str, int]]) -> list[tuple[float, list[Event]]]:
+    """This rank's seconds and communication events in each of ``STEPS`` training steps (forward/backward,
+    AdamW; two untimed first)."""
     torch.set_num_threads(1)
     model = calibration_model(width)
     inputs = dict(zip(names, lnn.flatten_inputs(model.example_batch(8, torch.Generator().manual_seed(0)), step="training_step")))
@@ -141,12 +144,14 @@ def logged_steps(rank: int, world_size: int, width: int, sources: list[str], con
     for index in range(STEPS + 2):
         communicator.events = []
         dist.barrier()
+        start = time.perf_counter()
         executor.forward_backward(inputs)
         optimizer.step()
         executor.after_optimizer_step()
+        seconds = time.perf_counter() - start
         dist.barrier()
         if index >= 2:
-            steps.append(communicator.events)
+            steps.append((seconds, communicator.events))
     return steps
 
 
@@ -161,18 +166,28 @@ def calibration_plans() -> list[tuple[int, lnn.Plan]]:
     return plans
 
 
-def in_step_fits(plans: list[tuple[int, lnn.Plan]]) -> dict[str, dict[int, tuple[float, float]]]:
-    """α–β fits of the communication in training steps of ``plans`` on gloo ranks (``sim.in_step``)."""
+def in_step_fits(plans: list[tuple[int, lnn.Plan]], spec: HardwareSpec) -> tuple[dict[str, dict[int, tuple[float, float]]], float, float]:
+    """From training steps of ``plans`` on gloo ranks (``sim.in_step``): α–β fits of their communication, the mean
+    hold of an issue while the other cores compute, and ``in_step_factor``: the median over plans and ranks of
+    a rank's time outside communication (the median step's) over its compute as ``spec`` predicts it from ops
+    timed alone (``sim.profile``)."""
     samples: dict[tuple[str, int], list[tuple[int, float]]] = {}
-    for width, plan in plans:
-        offsets = [plan.input_offsets(rank) for rank in range(plan.world_size)]
-        names = [tensor.name for tensor in plan.graph.user_inputs]
-        per_rank = launch(logged_steps, plan.world_size, width, plan.sources, dict(plan.graph.constant_values), names, offsets,
-                          timeout=300.0, preload=("lightning_nnscaler",))
-        for step in zip(*per_rank, strict=True):
-            for key, points in in_step_durations(step).items():
-                samples.setdefault(key, []).extend(points)
-    return fit_in_step(samples)
+    ratios = []
+    with tempfile.TemporaryDirectory(prefix="lnn-profile-") as folder:
+        device = DeviceModel(spec, Profiled(ProfileDB.open(directory=Path(folder)), Roofline(spec), statistic=min))
+        for width, plan in plans:
+            offsets = [plan.input_offsets(rank) for rank in range(plan.world_size)]
+            names = [tensor.name for tensor in plan.graph.user_inputs]
+            per_rank = launch(logged_steps, plan.world_size, width, plan.sources, dict(plan.graph.constant_values), names, offsets,
+                              timeout=300.0, preload=("lightning_nnscaler",))
+            for step in zip(*per_rank, strict=True):
+                for key, points in in_step_durations([events for _, events in step], cores=os.cpu_count()).items():
+                    samples.setdefault(key, []).extend(points)
+            predicted = predict(plan, spec, device).simulation.ranks
+            for rank, steps in enumerate(per_rank):
+                outside = statistics.median(seconds - communication_seconds(events) for seconds, events in steps)
+                ratios.append(outside / predicted[rank].busy)
+    return fit_in_step(samples), busy_issue_seconds(samples), statistics.median(ratios)
 
 
 def roofline_fit(spec: HardwareSpec, plans: list[tuple[int, lnn.Plan]]) -> tuple[float, float]:
@@ -200,14 +215,6 @@ def calibrate(output: Path) -> None:
         for kind, (alpha, beta) in fit(world_size, launch(rank_main, world_size, timeout=300.0)).items():
             collectives.setdefault(kind, {})[world_size] = [alpha, beta]
     loop_p2p = collectives["p2p"][2]  # the links (the fallback for what no table entry covers) keep the loop's figures
-    plans = calibration_plans()
-    for kind, by_size in in_step_fits(plans).items():
-        for world_size, (alpha, beta) in by_size.items():
-            collectives.setdefault(kind, {})[world_size] = [alpha, beta]
-            print(f"{kind:>15} p={world_size}: in training steps alpha {alpha * 1e6:8.1f} us, beta {beta * 1e9:7.3f} ns/B")
-    for kind, by_size in collectives.items():
-        for world_size, (alpha, beta) in sorted(by_size.items()):
-            print(f"{kind:>15} p={world_size}: alpha {alpha * 1e6:8.1f} us, beta {beta * 1e9:7.3f} ns/B ({1 / beta / 1e9 if beta else float('inf'):.2f} GB/s)")
     spec = {
         "name": f"cpu ({os.cpu_count()} cores, 1 thread per rank, gloo)",
         "memory_bytes": float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
@@ -222,9 +229,21 @@ def calibrate(output: Path) -> None:
         "collectives": collectives,
         "optimizer": [compute["optimizer_per_tensor"], compute["optimizer_per_element"]],
     }
+    plans = calibration_plans()
+    fits, busy_issue, factor = in_step_fits(plans, spec_from_dict(spec, "measured"))
+    for kind, by_size in fits.items():
+        for world_size, (alpha, beta) in by_size.items():
+            collectives.setdefault(kind, {})[world_size] = [alpha, beta]
     overhead, efficiency = roofline_fit(spec_from_dict(spec, "measured"), plans)
-    spec.update(op_overhead_s=overhead, matmul_efficiency=efficiency, memory_efficiency=efficiency)
-    print(f"roofline fitted to the calibration plans' ops: {overhead * 1e6:.1f} us per op, {efficiency:.2f} of the peak rates")
+    spec.update(op_overhead_s=overhead, matmul_efficiency=efficiency, memory_efficiency=efficiency, busy_issue_s=busy_issue,
+                in_step_factor=factor)
+    for kind, by_size in collectives.items():
+        for world_size, (alpha, beta) in sorted(by_size.items()):
+            where = "in steps" if world_size in fits.get(kind, {}) else "in loops"
+            print(f"{kind:>15} p={world_size} ({where}): alpha {alpha * 1e6:8.1f} us, beta {beta * 1e9:7.3f} ns/B")
+    print(f"issuing while the other cores compute holds a rank {busy_issue * 1e6:.1f} us on average; in a step a rank computes "
+          f"{factor:.2f}x as long as its ops timed alone; roofline fitted to those ops: {overhead * 1e6:.1f} us per op, "
+          f"{efficiency:.2f} of the peak rates")
     header = "# Measured by benchmarks/calibrate_comm.py (torch %s): compute in one thread, gloo over loopback.\n" % torch.__version__
     output.write_text(header + yaml.safe_dump(spec, sort_keys=False))
     print(f"matmul {compute['flops'] / 1e9:.1f} GFLOP/s, copy {compute['bandwidth'] / 1e9:.1f} GB/s, op overhead "

@@ -31,9 +31,11 @@ def timed_seconds(run: Callable[[], object], repeats: int = 7, warmup: int = 2, 
     return statistic(samples)
 
 
-def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """Least-squares ``seconds ≈ alpha + beta · nbytes`` (alpha and beta clipped at 0)."""
-    beta, alpha = np.polyfit(np.asarray(nbytes, dtype=float), np.asarray(seconds, dtype=float), 1)
+def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float], counts: Sequence[int] | None = None) -> tuple[float, float]:
+    """Least-squares ``seconds ≈ alpha + beta · nbytes`` (alpha and beta clipped at 0); ``counts``: how many
+    samples each point stands for (its weight), else all alike."""
+    weights = None if counts is None else np.sqrt(np.asarray(counts, dtype=float))
+    beta, alpha = np.polyfit(np.asarray(nbytes, dtype=float), np.asarray(seconds, dtype=float), 1, w=weights)
     return max(float(alpha), 0.0), max(float(beta), 0.0)
 
 

@@ -3,6 +3,10 @@
 A heap of events in time order (compute ends, wake-ups). With ``k`` ranks computing on a node of
 ``c`` cores each runs at ``min(1, c / k)``; every start or end of a compute task on the node
 re-rates the others. ``simulate`` uses it when ``Machine.cores_per_node`` is set.
+
+Issuing a send or starting an asynchronous collective while the node's other cores all compute holds the rank for
+``Machine.busy_issue_seconds`` (counted as communication): the backend's communication thread must first
+get a core, and the issuing call waits for it (gloo over loopback: a scheduler time slice, milliseconds).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class EventRun:
         self.shared = machine.cores_per_node is not None
         self.active: dict[int, dict[int, list[float]]] = {}  # node -> rank -> [remaining work, rate]
         self.last_update: dict[int, float] = {}
+        self.issue_until: list[float | None] = [None] * self.world  # a rank held by its issue: until when
 
     def go(self) -> None:
         """Advance ready ranks at ``now``, then take the next event in time order, until none is left."""
@@ -88,6 +93,8 @@ class EventRun:
                 self.start_compute(rank, task)
                 return
             if kind is Send:
+                if not self.issued(rank, task.label):
+                    return
                 self.post(rank, task)
             elif kind is Recv:
                 if not self.receive(rank, task):
@@ -182,6 +189,8 @@ class EventRun:
 
     def collective(self, rank: int, task: Collective) -> bool:
         key = self.current_collective[rank]
+        if key is None and not task.blocking and not self.issued(rank, task.label):
+            return False
         if key is None:
             counter = (rank, task.group)
             number = self.collective_count.get(counter, 0)
@@ -234,6 +243,27 @@ class EventRun:
         self.pending[rank] = []
         self._account_wait(rank, since, max(since, min(start, self.now)), "wait", "collectives")
         return True
+
+    def issued(self, rank: int, label: str) -> bool:
+        """Whether ``rank`` has issued its send or joined its collective; False while the issue holds it (see the
+        module docstring), with its wake-up queued."""
+        until = self.issue_until[rank]
+        if until is not None:
+            if until > self.now:
+                return self._block(rank)
+            self.issue_until[rank] = None
+            self._account_wait(rank, self._block_start(rank), self.blocked_since[rank], "issue", label)
+            return True
+        delay = self.machine.busy_issue_seconds
+        if not delay or not self.shared:
+            return True
+        node = rank // self.machine.ranks_per_node
+        if len(self.active.get(node, {})) + 1 < self.machine.cores_per_node:
+            return True  # a core is free for the communication thread
+        self._block_start(rank)
+        self.issue_until[rank] = self.now + delay
+        self.push(self.now + delay, rank)
+        return self._block(rank)
 
     # --- accounting ----------------------------------------------------------------------------------
 

@@ -8,11 +8,13 @@ for arrives in 0.1 ms, not the 0.35 ms of a loop of exchanges.
 
 ``LoggedCommunicator`` records, on every rank, when each operation was issued and when it returned (the
 ranks of one machine share its monotonic clock). ``in_step_durations`` matches the ranks' records: a
-collective lasts from its last member's arrival to its return (an asynchronous one only where a rank
-blocked in its wait, else its end is unknown); a message, from its send to the return of a receive that
-was already waiting (the one-way time the simulator prices; a receive that comes later finds the
+collective lasts from its last member's arrival (the return of its issuing call) to its return (an
+asynchronous one only where a rank blocked in its wait, else its end is unknown); a message, from the
+return of its send call to the return of a receive that was already waiting (the one-way time the simulator prices; a receive that comes later finds the
 message there or on its way). ``fit_in_step`` fits ``alpha + beta · ring bytes`` per kind and group size
-over the median of each size.
+over the median of each size, weighed by its samples. On shared cores, issuing an operation while every other core computes holds
+the issuing rank until the communication thread gets a core; ``busy_issue_seconds`` is its mean (the hold
+is rare and long: a time slice of the scheduler), which the simulator charges such issues.
 """
 
 from __future__ import annotations
@@ -44,6 +46,15 @@ class Event:
     issued: float
     returned: float | None = None
     wait_started: float | None = None
+    issue_returned: float | None = None
+    """A send or an asynchronous sum: when the call that issued it returned."""
+
+    def waiting(self, moment: float) -> bool:
+        """Whether the rank was in this operation (not computing) at ``moment``."""
+        if self.issue_returned is not None and self.issued <= moment <= self.issue_returned:
+            return True
+        start = self.wait_started if self.wait_started is not None else (None if self.kind == "send" else self.issued)
+        return start is not None and self.returned is not None and start <= moment <= self.returned
 
 
 class LoggedCommunicator(TorchDistributedCommunicator):
@@ -87,6 +98,7 @@ class LoggedCommunicator(TorchDistributedCommunicator):
         """Start a sum; its handle's ``wait`` records when the wait began and returned."""
         event = Event("all_reduce", tuple(ranks), tensor.numel() * tensor.element_size(), time.perf_counter())
         handle = super().all_reduce_async(tensor, ranks, in_place=in_place)
+        event.issue_returned = time.perf_counter()
         self.events.append(event)
         wait = handle.wait
 
@@ -106,9 +118,16 @@ class LoggedCommunicator(TorchDistributedCommunicator):
         return result
 
 
-def in_step_durations(rank_events: Sequence[Sequence[Event]]) -> dict[tuple[str, int], list[tuple[int, float]]]:
+def in_step_durations(
+    rank_events: Sequence[Sequence[Event]], cores: int | None = None,
+) -> dict[tuple[str, int], list[tuple[int, float]]]:
     """``(kind, group size) -> [(bytes per rank, seconds)]`` from one step's events of every rank (see the module
-    docstring); messages are ``("p2p", world size)``. The k-th collective over a group is the same on every rank."""
+    docstring); messages are ``("p2p", world size)``. The k-th collective over a group is the same on every rank.
+
+    With ``cores`` (the node's, all ranks on one node), also ``("issue", world size)``: how long issuing a send or
+    an asynchronous sum held its rank at moments when the other ranks computing filled the other cores (a rank
+    computes wherever it is in no operation).
+    """
     samples: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
     collectives: dict[tuple[str, tuple[int, ...], int], dict[int, Event]] = defaultdict(dict)
     sends: dict[tuple[int, ...], list[Event]] = defaultdict(list)
@@ -127,23 +146,36 @@ def in_step_durations(rank_events: Sequence[Sequence[Event]]) -> dict[tuple[str,
     for (kind, group, _), members in collectives.items():
         if len(members) < len(group):
             continue
-        last_arrival = max(event.issued for event in members.values())
+        last_arrival = max(event.issue_returned or event.issued for event in members.values())  # after any issue hold
         ends = [event.returned for event in members.values() if event.returned is not None
                 and (event.wait_started is None or event.returned - event.wait_started >= BLOCKED_AT_LEAST)]
         if ends:
             samples[kind, len(group)].append((next(iter(members.values())).nbytes, max(ends) - last_arrival))
+    if cores is not None:
+        for rank, events in enumerate(rank_events):
+            for event in events:
+                if event.issue_returned is None:
+                    continue
+                computing = sum(not any(other.waiting(event.issued) for other in rank_events[peer])
+                                for peer in range(len(rank_events)) if peer != rank)
+                if computing + 1 >= cores:
+                    samples["issue", len(rank_events)].append((event.nbytes, event.issue_returned - event.issued))
     for pair, sent in sends.items():
         for send, receive in zip(sent, receives.get(pair, []), strict=False):
             if receive.issued <= send.issued and receive.returned is not None:  # the receiver was waiting
-                samples["p2p", len(rank_events)].append((send.nbytes, receive.returned - send.issued))
+                samples["p2p", len(rank_events)].append((send.nbytes, receive.returned - (send.issue_returned or send.issued)))
     return dict(samples)
 
 
 def fit_in_step(samples: dict[tuple[str, int], list[tuple[int, float]]], min_sizes: int = 2) -> dict[str, dict[int, tuple[float, float]]]:
-    """``{kind: {group size: (alpha, beta)}}`` over the median seconds of each size (``sim.costs.ring_bytes``);
-    a kind and group size seen at fewer than ``min_sizes`` sizes is left out (its loop fit stands)."""
+    """``{kind: {group size: (alpha, beta)}}`` over the median seconds of each size (``sim.costs.ring_bytes``), each
+    weighed by its samples (a size seen three times, such as a data-parallel step's loss message, must not pull
+    a fit that hundreds of tensor-parallel messages make); a kind and group size seen at fewer than
+    ``min_sizes`` sizes is left out (its loop fit stands)."""
     fits: dict[str, dict[int, tuple[float, float]]] = {}
     for (kind, ranks), points in samples.items():
+        if kind == "issue":
+            continue
         by_size: dict[int, list[float]] = defaultdict(list)
         for nbytes, seconds in points:
             by_size[nbytes].append(seconds)
@@ -151,5 +183,25 @@ def fit_in_step(samples: dict[tuple[str, int], list[tuple[int, float]]], min_siz
             continue
         sizes = sorted(by_size)
         moved = [ring_bytes(kind, ranks, nbytes) for nbytes in sizes]
-        fits.setdefault(kind, {})[ranks] = fit_alpha_beta(moved, [statistics.median(by_size[nbytes]) for nbytes in sizes])
+        medians = [statistics.median(by_size[nbytes]) for nbytes in sizes]
+        fits.setdefault(kind, {})[ranks] = fit_alpha_beta(moved, medians, [len(by_size[nbytes]) for nbytes in sizes])
     return fits
+
+
+def busy_issue_seconds(samples: dict[tuple[str, int], list[tuple[int, float]]]) -> float:
+    """The mean hold of an issue while every other core computed (``in_step_durations`` with ``cores``), 0 without any."""
+    holds = [seconds for (kind, _), points in samples.items() if kind == "issue" for _, seconds in points]
+    return statistics.fmean(holds) if holds else 0.0
+
+
+def communication_seconds(events: Sequence[Event]) -> float:
+    """Seconds one rank spent in its operations (a rank calls them one after another): receives and blocking
+    collectives whole, sends and asynchronous sums while issuing and waiting."""
+    total = 0.0
+    for event in events:
+        if event.issue_returned is not None:
+            total += event.issue_returned - event.issued
+        start = event.wait_started if event.wait_started is not None else (None if event.kind == "send" else event.issued)
+        if start is not None and event.returned is not None:
+            total += event.returned - start
+    return total

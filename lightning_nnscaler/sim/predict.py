@@ -16,7 +16,8 @@ from lightning_nnscaler.sim.specs import HardwareSpec, load_spec
 @dataclass
 class DeviceModel:
     """Compute costs on one device kind: per-op times from ``ops`` (a roofline or a profile), the AdamW
-    step and piece copies from the spec's roofline, or from ``optimizer_fit`` when one was measured."""
+    step and piece copies from the spec's roofline, or from ``optimizer_fit`` when one was measured; all
+    of them times the spec's ``in_step_factor`` (what a training step adds to work timed alone)."""
 
     spec: HardwareSpec
     ops: ComputeModel
@@ -25,20 +26,22 @@ class DeviceModel:
 
     def op_time(self, op: Op) -> OpTime:
         """Forward and backward seconds of ``op``."""
-        return self.ops.op_time(op)
+        alone = self.ops.op_time(op)
+        factor = self.spec.in_step_factor
+        return alone if factor == 1.0 else OpTime(alone.forward * factor, alone.backward * factor)
 
     def optimizer_seconds(self, tensor_numels: list[int]) -> float:
         """One AdamW step over tensors of ``tensor_numels`` elements."""
         fit = self.optimizer_fit or self.spec.optimizer
         if fit is not None:
             per_tensor, per_element = fit
-            return per_tensor * len(tensor_numels) + per_element * sum(tensor_numels)
+            return self.spec.in_step_factor * (per_tensor * len(tensor_numels) + per_element * sum(tensor_numels))
         roofline = Roofline(self.spec)
-        return sum(roofline.optimizer_seconds(numel) for numel in tensor_numels)
+        return self.spec.in_step_factor * sum(roofline.optimizer_seconds(numel) for numel in tensor_numels)
 
     def copy_seconds(self, nbytes: int) -> float:
         """Copying ``nbytes`` (read and write) on the device."""
-        return self.spec.op_overhead_s + 2 * nbytes / (self.spec.memory_bandwidth * self.spec.memory_efficiency)
+        return self.spec.in_step_factor * (self.spec.op_overhead_s + 2 * nbytes / (self.spec.memory_bandwidth * self.spec.memory_efficiency))
 
 
 @dataclass
@@ -94,7 +97,7 @@ def predict(plan: Any, spec: HardwareSpec | str = "a100", device: DeviceModel | 
     spec = load_spec(spec) if isinstance(spec, str) else spec
     device = device or DeviceModel(spec, Roofline(spec))
     lists = plan_task_lists(plan, device)
-    result = simulate(lists, CommModel(spec, len(lists)), Machine(spec.ranks_per_node, spec.cores_per_node), record=record)
+    result = simulate(lists, CommModel(spec, len(lists)), Machine(spec.ranks_per_node, spec.cores_per_node, spec.busy_issue_s), record=record)
     memory = []
     for row, stats in zip(plan.memory_rows(), result.ranks, strict=True):
         memory.append({**{key: row[key] for key in MEMORY_KEYS}, "activations": stats.peak_activation_bytes})

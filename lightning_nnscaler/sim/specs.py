@@ -43,6 +43,11 @@ class HardwareSpec:
         op_overhead_s: fixed time per op (launch, framework dispatch).
         ranks_per_node: ranks on one node (they use ``intra_node`` links).
         cores_per_node: compute slots a node's ranks share (CPU); None: one device per rank.
+        in_step_factor: how much longer an op (and the optimizer's step) takes inside a training step on its
+            rank than timed alone (measured by ``benchmarks/calibrate_comm.py`` in steps of small plans); 1.0 where unmeasured.
+        busy_issue_s: with ``cores_per_node`` set, how long issuing a send or starting an asynchronous collective holds a rank
+            while the node's other cores all compute (the backend's communication thread waits for a core first);
+            measured in training steps by ``benchmarks/calibrate_comm.py`` (``sim.in_step``).
         intra_node, inter_node: the links within and across nodes.
         collectives: fitted ``{kind: {group size: [alpha, beta]}}`` (``time = alpha + beta × ring bytes``);
             ``p2p`` is the point-to-point fit. Missing entries fall back to ring formulas over the links.
@@ -59,6 +64,8 @@ class HardwareSpec:
     intra_node: Link
     inter_node: Link
     cores_per_node: int | None = None
+    busy_issue_s: float = 0.0
+    in_step_factor: float = 1.0
     collectives: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
     optimizer: tuple[float, float] | None = None
     """Measured AdamW step: (seconds per tensor, seconds per element); None: the roofline's memory-bound estimate."""
@@ -127,6 +134,8 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> HardwareSpec:
         intra_node=Link(float(links["intra_node"]["bandwidth"]), float(links["intra_node"]["latency"])),
         inter_node=Link(float(links["inter_node"]["bandwidth"]), float(links["inter_node"]["latency"])),
         cores_per_node=None if data.get("cores_per_node") is None else int(data["cores_per_node"]),
+        busy_issue_s=float(data.get("busy_issue_s", 0.0)),
+        in_step_factor=float(data.get("in_step_factor", 1.0)),
         collectives=collectives,
         optimizer=None if data.get("optimizer") is None else (float(data["optimizer"][0]), float(data["optimizer"][1])),
     )

@@ -42,5 +42,5 @@ def test_logged_gloo_operations_become_in_step_durations() -> None:
     assert sorted(nbytes for nbytes, _ in durations["all_reduce", 2]) == [32, 128]  # the async sum: rank 1 blocked in it
     assert all(seconds >= 0 for points in durations.values() for _, seconds in points)
     rank1_sum = events[1][-1]
-    # the async sum ends where rank 1's blocked wait returned; rank 0's wait, 20 ms later, did not block and is not its end
-    assert dict(durations["all_reduce", 2])[128] == rank1_sum.returned - max(events[0][-1].issued, rank1_sum.issued)
+    # the async sum runs from the later issuing call's return to rank 1's blocked wait; rank 0's wait, 20 ms later, did not block
+    assert dict(durations["all_reduce", 2])[128] == rank1_sum.returned - max(events[0][-1].issue_returned, rank1_sum.issue_returned)

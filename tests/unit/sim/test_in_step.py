@@ -52,3 +52,27 @@ def test_fits_need_two_sizes_and_use_each_sizes_median() -> None:
     # medians 3 ms at 1000 B and 4 ms at 3000 B; all-reduce moves 2(p-1)/p of the buffer: the same bytes at p = 2
     assert beta == pytest.approx(0.001 / 2000)
     assert alpha == pytest.approx(0.003 - 1000 * beta)
+
+
+def test_issues_count_as_holds_only_while_the_other_cores_compute() -> None:
+    from lightning_nnscaler.sim.in_step import busy_issue_seconds
+
+    # rank 0 sends twice; rank 1 computes at the first send and waits in a receive at the second
+    rank0 = [Event("send", (0, 1), 8, issued=1.0, issue_returned=1.003), Event("send", (0, 1), 8, issued=2.0, issue_returned=2.0001)]
+    rank1 = [Event("recv", (0, 1), 8, issued=1.5, returned=1.6), Event("recv", (0, 1), 8, issued=1.9, returned=2.1)]
+    two_cores = in_step_durations([rank0, rank1], cores=2)
+    assert two_cores["issue", 2] == [(8, pytest.approx(0.003))]
+    assert busy_issue_seconds(two_cores) == pytest.approx(0.003)
+    assert ("issue", 2) not in in_step_durations([rank0, rank1], cores=4)  # cores to spare: never busy
+    assert ("issue", 2) not in in_step_durations([rank0, rank1])
+    assert busy_issue_seconds({}) == 0.0
+    # the message is timed from the send call's return, after its hold
+    assert two_cores["p2p", 2] == [(8, pytest.approx(0.0999))]
+    assert "issue" not in fit_in_step({**two_cores, ("issue", 2): [(8, 0.001), (16, 0.002)]})
+
+
+def test_a_size_seen_rarely_weighs_less_in_the_fit() -> None:
+    many = [(1000, 0.001)] * 50 + [(3000, 0.002)] * 50
+    alpha, beta = fit_in_step({("p2p", 2): [*many, (8, 0.050), (8, 0.040), (8, 0.060)]})["p2p"][2]
+    equal_alpha, _ = fit_in_step({("p2p", 2): [(1000, 0.001), (3000, 0.002), (8, 0.050)]})["p2p"][2]
+    assert alpha < 0.01 < equal_alpha  # three slow loss messages do not set every message's latency

@@ -85,3 +85,17 @@ def test_ranks_sharing_cores_slow_down_only_while_they_overlap() -> None:
 def test_a_receive_that_no_one_sends_is_a_deadlock() -> None:
     with pytest.raises(DeadlockError, match="rank 0 stuck"):
         simulate([[Recv(1)], [Recv(0)]], Fixed())
+
+
+def test_an_issue_while_the_other_cores_compute_holds_the_sender() -> None:
+    """Two ranks on two cores: rank 0 sends while rank 1 computes (held), then once rank 1 waits (not held)."""
+    lists = [
+        [Compute(0.001), Send(1, 8), Compute(0.010), Send(1, 8)],
+        [Compute(0.005), Recv(0), Recv(0)],
+    ]
+    free = simulate(lists, Fixed(), Machine(ranks_per_node=2, cores_per_node=2))
+    held = simulate(lists, Fixed(), Machine(ranks_per_node=2, cores_per_node=2, busy_issue_seconds=0.002))
+    assert held.ranks[0].communication == pytest.approx(free.ranks[0].communication + 0.002)
+    assert held.step_seconds == pytest.approx(free.step_seconds + 0.002)
+    roomy = simulate(lists, Fixed(), Machine(ranks_per_node=2, cores_per_node=4, busy_issue_seconds=0.002))
+    assert roomy.step_seconds == pytest.approx(free.step_seconds)
