@@ -10,11 +10,12 @@ for arrives in 0.1 ms, not the 0.35 ms of a loop of exchanges.
 ranks of one machine share its monotonic clock). ``in_step_durations`` matches the ranks' records: a
 collective lasts from its last member's arrival (the return of its issuing call) to its return (an
 asynchronous one only where a rank blocked in its wait, else its end is unknown); a message, from the
-return of its send call to the return of a receive that was already waiting (the one-way time the simulator prices; a receive that comes later finds the
-message there or on its way). ``fit_in_step`` fits ``alpha + beta · ring bytes`` per kind and group size
-over the median of each size, weighed by its samples. On shared cores, issuing an operation while every other core computes holds
-the issuing rank until the communication thread gets a core; ``busy_issue_seconds`` is its mean (the hold
-is rare and long: a time slice of the scheduler), which the simulator charges such issues.
+return of its send call to the return of a receive that was already waiting (the one-way time the
+simulator prices; a receive that comes later finds the message there or on its way). ``fit_in_step``
+fits ``alpha + beta · ring bytes`` per kind and group size over the median of each size, weighed by its
+samples. On shared cores, issuing a send or an asynchronous sum while every other core computes holds
+the issuing rank until the communication thread gets a core; ``busy_issue_seconds`` is its mean (the
+hold is rare and long: a time slice of the scheduler), which the simulator charges such issues.
 """
 
 from __future__ import annotations
@@ -65,10 +66,10 @@ class LoggedCommunicator(TorchDistributedCommunicator):
         self.events: list[Event] = []
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        """Send, recording when it was issued and when the call returned (the send itself goes on after it)."""
+        """Send, recording when it was issued and when the issuing call returned (the transfer goes on after it)."""
         event = Event("send", (self.rank, dst), tensor.numel() * tensor.element_size(), time.perf_counter())
         super().send(tensor, dst, tag)
-        event.returned = time.perf_counter()
+        event.issue_returned = time.perf_counter()
         self.events.append(event)
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:

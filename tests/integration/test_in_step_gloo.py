@@ -36,6 +36,8 @@ def test_logged_gloo_operations_become_in_step_durations() -> None:
     events = launch_ranks(logged_rank, 2, timeout=60.0)
     assert [event.kind for event in events[0]] == ["send", "all_reduce", "all_gather", "all_reduce"]
     assert [event.kind for event in events[1]] == ["recv", "all_reduce", "all_gather", "all_reduce"]
+    send = events[0][0]
+    assert send.issued <= send.issue_returned and send.returned is None  # a send's call returns; its transfer goes on
     durations = in_step_durations(events)
     assert set(durations) == {("p2p", 2), ("all_reduce", 2), ("all_gather", 2)}
     assert [nbytes for nbytes, _ in durations["p2p", 2]] == [64]

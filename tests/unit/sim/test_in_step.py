@@ -76,3 +76,15 @@ def test_a_size_seen_rarely_weighs_less_in_the_fit() -> None:
     alpha, beta = fit_in_step({("p2p", 2): [*many, (8, 0.050), (8, 0.040), (8, 0.060)]})["p2p"][2]
     equal_alpha, _ = fit_in_step({("p2p", 2): [(1000, 0.001), (3000, 0.002), (8, 0.050)]})["p2p"][2]
     assert alpha < 0.01 < equal_alpha  # three slow loss messages do not set every message's latency
+
+
+def test_a_ranks_communication_time_adds_its_calls_and_waits() -> None:
+    from lightning_nnscaler.sim.in_step import communication_seconds
+
+    events = [
+        Event("send", (0, 1), 8, issued=0.0, issue_returned=0.001),
+        Event("recv", (1, 0), 8, issued=0.010, returned=0.013),
+        Event("all_reduce", (0, 1), 64, issued=0.020, issue_returned=0.0205, wait_started=0.030, returned=0.032),
+        Event("all_reduce", (0, 1), 64, issued=0.040, returned=0.041),
+    ]
+    assert communication_seconds(events) == pytest.approx(0.001 + 0.003 + 0.0005 + 0.002 + 0.001)
