@@ -42,7 +42,8 @@ from lightning_nnscaler.runtime.executor import RankExecutor
 from lightning_nnscaler.materialize.program import Compute
 from lightning_nnscaler.sim.calibrate import fit_alpha_beta, fit_roofline, measure_compute
 from lightning_nnscaler.sim.costs import Roofline, ring_bytes
-from lightning_nnscaler.sim.in_step import Event, LoggedCommunicator, busy_issue_seconds, communication_seconds, fit_in_step, in_step_durations
+from lightning_nnscaler.runtime.logged_comm import Event, LoggedCommunicator
+from lightning_nnscaler.sim.in_step import busy_issue_seconds, communication_seconds, fit_in_step, in_step_durations
 from lightning_nnscaler.sim.predict import DeviceModel, predict
 from lightning_nnscaler.sim.profile import ProfileDB, Profiled
 from lightning_nnscaler.sim.specs import SPEC_DIRECTORY, HardwareSpec, spec_from_dict

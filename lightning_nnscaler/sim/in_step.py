@@ -6,10 +6,11 @@ compute, with the other ranks arriving at their own times, and on a machine whos
 1.5 ms in a loop and 6 ms (median) in a data-parallel step, while a message the receiver already waits
 for arrives in 0.1 ms, not the 0.35 ms of a loop of exchanges.
 
-``LoggedCommunicator`` records, on every rank, when each operation was issued and when it returned (the
+``runtime.logged_comm.LoggedCommunicator`` records, on every rank, when each operation was issued and when it returned (the
 ranks of one machine share its monotonic clock). ``in_step_durations`` matches the ranks' records: a
-collective lasts from its last member's arrival (the return of its issuing call) to its return (an
-asynchronous one only where a rank blocked in its wait, else its end is unknown); a message, from the
+collective lasts from its last member's arrival (the return of its issuing call) to its first return (an
+asynchronous one: the first return among the ranks that blocked in their wait; a wait that came later
+returns later than the collective ended); a message, from the
 return of its send call to the return of a receive that was already waiting (the one-way time the
 simulator prices; a receive that comes later finds the message there or on its way). ``fit_in_step``
 fits ``alpha + beta · ring bytes`` per kind and group size over the median of each size, weighed by its
@@ -21,15 +22,10 @@ hold is rare and long: a time slice of the scheduler), which the simulator charg
 from __future__ import annotations
 
 import statistics
-import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
-import torch
-
-from lightning_nnscaler.runtime.comm import TorchDistributedCommunicator
 from lightning_nnscaler.sim.calibrate import fit_alpha_beta
 from lightning_nnscaler.sim.costs import ring_bytes
 
@@ -37,90 +33,23 @@ BLOCKED_AT_LEAST = 5e-5
 """An asynchronous collective's wait that returned sooner than this did not block: its end is unknown."""
 
 
-@dataclass
-class Event:
-    """One communication operation on one rank: ``key`` is the peer pair (src, dst) or the group's ranks."""
+class CommEvent(Protocol):
+    """One communication operation on one rank, as ``runtime.logged_comm.Event`` records it."""
 
     kind: str
     key: tuple[int, ...]
     nbytes: int
     issued: float
-    returned: float | None = None
-    wait_started: float | None = None
-    issue_returned: float | None = None
-    """A send or an asynchronous sum: when the call that issued it returned."""
+    returned: float | None
+    wait_started: float | None
+    issue_returned: float | None
 
     def waiting(self, moment: float) -> bool:
         """Whether the rank was in this operation (not computing) at ``moment``."""
-        if self.issue_returned is not None and self.issued <= moment <= self.issue_returned:
-            return True
-        start = self.wait_started if self.wait_started is not None else (None if self.kind == "send" else self.issued)
-        return start is not None and self.returned is not None and start <= moment <= self.returned
-
-
-class LoggedCommunicator(TorchDistributedCommunicator):
-    """``TorchDistributedCommunicator`` that records an ``Event`` per send, receive and collective in ``events``."""
-
-    def __init__(self, timeout: float) -> None:
-        super().__init__(timeout)
-        self.events: list[Event] = []
-
-    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        """Send, recording when it was issued and when the issuing call returned (the transfer goes on after it)."""
-        event = Event("send", (self.rank, dst), tensor.numel() * tensor.element_size(), time.perf_counter())
-        super().send(tensor, dst, tag)
-        event.issue_returned = time.perf_counter()
-        self.events.append(event)
-
-    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
-        """Receive, recording when it was issued and when it returned."""
-        issued = time.perf_counter()
-        tensor = super().recv(shape, dtype, src, tag)
-        self.events.append(Event("recv", (src, self.rank), tensor.numel() * tensor.element_size(), issued, time.perf_counter()))
-        return tensor
-
-    def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
-        """Sum, recorded."""
-        return self._logged("all_reduce", ranks, tensor, lambda: super(LoggedCommunicator, self).all_reduce(tensor, ranks))
-
-    def all_gather(self, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
-        """Gather, recorded."""
-        return self._logged("all_gather", ranks, tensor, lambda: super(LoggedCommunicator, self).all_gather(tensor, dim, ranks))
-
-    def reduce_scatter(self, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
-        """Reduce-scatter, recorded."""
-        return self._logged("reduce_scatter", ranks, tensor, lambda: super(LoggedCommunicator, self).reduce_scatter(tensor, dim, ranks))
-
-    def all_to_all(self, tensor: torch.Tensor, split_dim: int, concat_dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
-        """All-to-all, recorded."""
-        return self._logged("all_to_all", ranks, tensor, lambda: super(LoggedCommunicator, self).all_to_all(tensor, split_dim, concat_dim, ranks))
-
-    def all_reduce_async(self, tensor: torch.Tensor, ranks: tuple[int, ...], *, in_place: bool = False) -> Any:
-        """Start a sum; its handle's ``wait`` records when the wait began and returned."""
-        event = Event("all_reduce", tuple(ranks), tensor.numel() * tensor.element_size(), time.perf_counter())
-        handle = super().all_reduce_async(tensor, ranks, in_place=in_place)
-        event.issue_returned = time.perf_counter()
-        self.events.append(event)
-        wait = handle.wait
-
-        def logged_wait() -> torch.Tensor:
-            event.wait_started = time.perf_counter()
-            result = wait()
-            event.returned = time.perf_counter()
-            return result
-
-        handle.wait = logged_wait
-        return handle
-
-    def _logged(self, kind: str, ranks: tuple[int, ...], tensor: torch.Tensor, run: Any) -> torch.Tensor:
-        issued = time.perf_counter()
-        result = run()
-        self.events.append(Event(kind, tuple(ranks), tensor.numel() * tensor.element_size(), issued, time.perf_counter()))
-        return result
 
 
 def in_step_durations(
-    rank_events: Sequence[Sequence[Event]], cores: int | None = None,
+    rank_events: Sequence[Sequence[CommEvent]], cores: int | None = None,
 ) -> dict[tuple[str, int], list[tuple[int, float]]]:
     """``(kind, group size) -> [(bytes per rank, seconds)]`` from one step's events of every rank (see the module
     docstring); messages are ``("p2p", world size)``. The k-th collective over a group is the same on every rank.
@@ -130,9 +59,9 @@ def in_step_durations(
     computes wherever it is in no operation).
     """
     samples: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
-    collectives: dict[tuple[str, tuple[int, ...], int], dict[int, Event]] = defaultdict(dict)
-    sends: dict[tuple[int, ...], list[Event]] = defaultdict(list)
-    receives: dict[tuple[int, ...], list[Event]] = defaultdict(list)
+    collectives: dict[tuple[str, tuple[int, ...], int], dict[int, CommEvent]] = defaultdict(dict)
+    sends: dict[tuple[int, ...], list[CommEvent]] = defaultdict(list)
+    receives: dict[tuple[int, ...], list[CommEvent]] = defaultdict(list)
     for rank, events in enumerate(rank_events):
         count: dict[tuple[str, tuple[int, ...]], int] = defaultdict(int)
         for event in events:
@@ -151,7 +80,7 @@ def in_step_durations(
         ends = [event.returned for event in members.values() if event.returned is not None
                 and (event.wait_started is None or event.returned - event.wait_started >= BLOCKED_AT_LEAST)]
         if ends:
-            samples[kind, len(group)].append((next(iter(members.values())).nbytes, max(ends) - last_arrival))
+            samples[kind, len(group)].append((next(iter(members.values())).nbytes, min(ends) - last_arrival))
     if cores is not None:
         for rank, events in enumerate(rank_events):
             for event in events:
@@ -195,7 +124,7 @@ def busy_issue_seconds(samples: dict[tuple[str, int], list[tuple[int, float]]]) 
     return statistics.fmean(holds) if holds else 0.0
 
 
-def communication_seconds(events: Sequence[Event]) -> float:
+def communication_seconds(events: Sequence[CommEvent]) -> float:
     """Seconds one rank spent in its operations (a rank calls them one after another): receives and blocking
     collectives whole, sends and asynchronous sums while issuing and waiting."""
     total = 0.0

@@ -157,7 +157,10 @@ def test_3f1b_trains_a_recycling_model_like_ddp(results: list[dict]) -> None:
         assert actual["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-5)
         assert actual["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
         for key, value in expected["state"].items():
-            torch.testing.assert_close(actual["state"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key, r=rank: f"rank {r} {k}: {m}")
+            # a key-side norm's bias has a zero true gradient (softmax ignores a shift): AdamW turns rounding
+            # into updates of order lr * 1e-2, which the CPU's kernels decide (2e-5 on an AVX-512 machine)
+            atol = 1e-4 if key.endswith("msa_row_attention.norm_z.bias") else 1e-5
+            torch.testing.assert_close(actual["state"][key], value, rtol=1e-5, atol=atol, msg=lambda m, k=key, r=rank: f"rank {r} {k}: {m}")
 
 
 @pytest.mark.timeout(400)

@@ -1,4 +1,4 @@
-"""``sim.in_step.LoggedCommunicator`` on real gloo ranks: what it records matches across ranks into durations."""
+"""``runtime.logged_comm.LoggedCommunicator`` on real gloo ranks: what it records matches across ranks into durations."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 
 from support.ranks import launch_ranks
 
-from lightning_nnscaler.sim.in_step import Event, LoggedCommunicator, in_step_durations
+from lightning_nnscaler.runtime.logged_comm import Event, LoggedCommunicator
+from lightning_nnscaler.sim.in_step import in_step_durations
 
 
 def logged_rank(rank: int, world_size: int) -> list[Event]:

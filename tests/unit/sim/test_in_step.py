@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_nnscaler.sim.in_step import Event, fit_in_step, in_step_durations
+from lightning_nnscaler.runtime.logged_comm import Event
+from lightning_nnscaler.sim.in_step import fit_in_step, in_step_durations
 
 
 def test_a_collective_lasts_from_its_last_arrival_to_its_return() -> None:
