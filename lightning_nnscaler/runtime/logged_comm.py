@@ -30,12 +30,17 @@ class Event:
     issue_returned: float | None = None
     """A send or an asynchronous sum: when the call that issued it returned."""
 
+    def windows(self) -> list[tuple[float, float]]:
+        """When the rank was in this operation (not computing): its issuing call, and its wait or whole call."""
+        spans = [] if self.issue_returned is None else [(self.issued, self.issue_returned)]
+        start = self.wait_started if self.wait_started is not None else (None if self.kind == "send" else self.issued)
+        if start is not None and self.returned is not None:
+            spans.append((start, self.returned))
+        return spans
+
     def waiting(self, moment: float) -> bool:
         """Whether the rank was in this operation (not computing) at ``moment``."""
-        if self.issue_returned is not None and self.issued <= moment <= self.issue_returned:
-            return True
-        start = self.wait_started if self.wait_started is not None else (None if self.kind == "send" else self.issued)
-        return start is not None and self.returned is not None and start <= moment <= self.returned
+        return any(start <= moment <= end for start, end in self.windows())
 
 
 class LoggedCommunicator(TorchDistributedCommunicator):

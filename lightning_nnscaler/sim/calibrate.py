@@ -69,7 +69,6 @@ def _adamw_fit() -> tuple[float, float]:
     return per_tensor, per_element
 
 
-
 def fit_roofline(spec: HardwareSpec, ops: Sequence[Op], measured: Sequence[OpTime]) -> tuple[float, float]:
     """The per-op overhead and the efficiency (one share of peak FLOP/s and bandwidth) that make ``spec``'s
     roofline best match ``measured`` times of ``ops`` (forward, and backward at twice the work), by least

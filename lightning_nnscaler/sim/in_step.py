@@ -44,6 +44,9 @@ class CommEvent(Protocol):
     wait_started: float | None
     issue_returned: float | None
 
+    def windows(self) -> list[tuple[float, float]]:
+        """When the rank was in this operation (not computing)."""
+
     def waiting(self, moment: float) -> bool:
         """Whether the rank was in this operation (not computing) at ``moment``."""
 
@@ -127,11 +130,4 @@ def busy_issue_seconds(samples: dict[tuple[str, int], list[tuple[int, float]]]) 
 def communication_seconds(events: Sequence[CommEvent]) -> float:
     """Seconds one rank spent in its operations (a rank calls them one after another): receives and blocking
     collectives whole, sends and asynchronous sums while issuing and waiting."""
-    total = 0.0
-    for event in events:
-        if event.issue_returned is not None:
-            total += event.issue_returned - event.issued
-        start = event.wait_started if event.wait_started is not None else (None if event.kind == "send" else event.issued)
-        if start is not None and event.returned is not None:
-            total += event.returned - start
-    return total
+    return sum(end - start for event in events for start, end in event.windows())
