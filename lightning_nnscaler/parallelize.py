@@ -67,7 +67,8 @@ class Plan:
     plan_hash: str
     zero_stage: int = 0
     layout: RecipeLayout | None = None
-    """The recipe's layout: which data-parallel replica each rank belongs to (one replica when None)."""
+    """Which data-parallel replica each rank belongs to, so which batch rows its code reads (one replica
+    when None): the recipe's layout, or for ``auto`` its winner's."""
     pipeline: PipelinePlan | None = None
     """A pipelined plan's schedule (None: one forward and one backward per rank)."""
     _reference: Any = field(default=None, repr=False)
@@ -255,9 +256,7 @@ def parallelize(
     with stage(f"planning {len(graph.ops)} ops with recipe {recipe} for {world_size} ranks"):
         with recording_refusals() as refusals:  # ops the recipe meant to split but could not
             context = apply_recipe(planned, recipe, world_size, **params)
-        # a searched plan (recipe auto) is the winner's: its own grid says how many ranks share a replica
-        split_layout = context.search.layout if context.search is not None else context.layout
-        model_parallel = world_size // split_layout.data_parallel if split_layout is not None else 1
+        model_parallel = world_size // context.layout.data_parallel if context.layout is not None else 1
         check_coverage(planned, graph, world_size, recipe=recipe, allow_partial=allow_partial, refusals=refusals, model_parallel=model_parallel)
     with stage(f"materializing {len(planned.ops)} pieces and generating {world_size} modules"):
         plan = build_plan(

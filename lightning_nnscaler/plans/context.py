@@ -33,7 +33,8 @@ class PlanContext:
     """Number of devices (ranks); every op must end up on one of ``0..world_size-1``."""
     layout: RecipeLayout | None = None
     """What the recipe's layout function promised for this run (its device grid); None when the
-    recipe is called directly, not through ``apply_recipe``."""
+    recipe is called directly, not through ``apply_recipe``. The plan's layout: which batch rows each
+    rank's code reads (``auto`` replaces it with its winner's)."""
     zero_stage: int = 0
     """ZeRO sharding over the data-parallel group, a runtime option a recipe may set: 0 = none,
     1 = optimizer state sharded, 3 = optimizer state and parameters sharded."""
@@ -43,7 +44,7 @@ class PlanContext:
 
     search: Any = None
     """Set by the ``auto`` recipe: the search that chose the plan (``sim.search.SearchResult``: the ranked
-    candidates and the winner, whose own layout the coverage check uses)."""
+    candidates and the winner)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:

@@ -1,9 +1,10 @@
 """The ``auto`` recipe: search the catalog's plans with the simulator (``sim.search``), then apply the winner.
 
-Its layout is one replica (the catalog's default, ``plans.layout.single_replica``): the DataLoader is built
-before any batch is traced, so before the search can run; every rank loads the whole batch and its generated
-code reads the rows the winning plan gives it. The winner's own grid (data-parallel replicas, head pieces) is
-``plan.search.layout``; the split it computes is the winner's whatever the loading.
+Its declared layout (what the DataLoader loads, known before any batch is traced and searched) is every
+rank its own replica, as under ddp: the step is planned for all ranks' rows together. Applying the winner
+sets the plan's layout to the winner's own grid (data-parallel replicas, head pieces), which says which
+rows each rank's code reads; where the two differ, ``NnScalerStrategy`` gathers each rank's rows from
+the ranks that loaded them before the step (``strategy.planning.gather_replica_batch``).
 """
 
 from __future__ import annotations
@@ -49,3 +50,4 @@ def auto(
     assert winner is not None  # a candidate that fits was built
     graph.take_contents(winner.planned.copy())
     ctx.zero_stage, ctx.pipeline, ctx.search = winner.zero_stage, winner.pipeline, result
+    ctx.layout = winner.layout  # the rows each rank's code reads are the winner's

@@ -45,7 +45,10 @@ data-parallel replica. The recipe's layout (``plans.layout``, known before traci
 replicas the plan has and which one each rank belongs to; ``distributed_sampler_kwargs`` describe
 that group, so ranks of one replica (tensor-, sequence-parallel, co-shard pieces) load the same
 samples and no rank loads samples it throws away. The step is planned for the whole batch of all
-replicas; each rank's generated code reads its pieces out of its replica's batch.
+replicas; each rank's generated code reads its pieces out of its replica's batch. ``auto`` loads as
+``ddp`` does (every rank its own rows; the winner is not known before the first batch): where the
+winner's replicas are fewer, each step first gathers the rows a rank's code reads from the ranks that
+loaded them (``planning.gather_replica_batch``), so the training is ddp's whichever plan wins.
 """
 
 from __future__ import annotations
@@ -103,7 +106,8 @@ from lightning_nnscaler.strategy.plan_logging import log_measured_step, log_plan
 from lightning_nnscaler.strategy.step_timing import PredictedStep, StepTimer, predict_step
 from lightning_nnscaler.plans.layout import RecipeLayout
 from lightning_nnscaler.strategy.planning import (
-    batch_signature, check_fits, check_new_signature, check_recipe, check_supported, graph_inputs, plan_training_step, share_pieces,
+    batch_signature, check_fits, check_new_signature, check_recipe, check_supported, gather_replica_batch, graph_inputs,
+    plan_training_step, reads_other_rows, share_pieces,
 )
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -391,7 +395,9 @@ class NnScalerStrategy(ParallelStrategy):
         batch = kwargs.get("batch", args[0] if args else None)
         batch_idx = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
         trainer = self.lightning_module.trainer
-        inputs = graph_inputs(self.plan, batch)
+        inputs = graph_inputs(self.plan, batch, self.layout)
+        if reads_other_rows(self.layout, self.plan.data_layout, self.world_size):  # auto: the winner's rows
+            inputs = gather_replica_batch(inputs, self.layout, self.plan.data_layout, self.global_rank, self._all_gather_tensor)
         scaler = getattr(self.precision_plugin, "scaler", None)  # 16-mixed: backward of the loss times the loss scale
         scale: float | Tensor = 1.0 / trainer.accumulate_grad_batches
         if scaler is not None:  # the scale as a tensor (GradScaler.get_scale() would wait for the device)
@@ -407,7 +413,7 @@ class NnScalerStrategy(ParallelStrategy):
                 zero_grad_follows=first_of_window,
             )
         if self.plan.logged is not None:  # what training_step logs, this rank's replica's values (as under DDP)
-            replica = self.plan.data_layout.replica(self.global_rank)
+            replica = self.layout.replica(self.global_rank)
             for name, value, options in self.plan.logged.logs(self.executor.values, replica):
                 self.lightning_module.log(name, value, **options)
         return loss
@@ -478,6 +484,12 @@ class NnScalerStrategy(ParallelStrategy):
             return [obj]
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def _all_gather_tensor(self, tensor: Tensor) -> list[Tensor]:
+        """Every rank's ``tensor`` (one shape on all ranks), by rank (a collective)."""
+        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(gathered, tensor)
         return gathered
 
     @override

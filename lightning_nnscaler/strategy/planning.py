@@ -225,14 +225,14 @@ def share_pieces(first: RankExecutor, code: ModuleType, plan: Plan, rank: int) -
         ) from error
 
 
-def graph_inputs(plan: Plan, batch: Any) -> dict[str, torch.Tensor]:
-    """This replica's batch tensors by graph input name.
+def graph_inputs(plan: Plan, batch: Any, loading: RecipeLayout) -> dict[str, torch.Tensor]:
+    """This rank's batch tensors by graph input name, as the ``loading`` layout (the DataLoader's) gives them.
 
     Raises:
         MisconfigurationException: the batch's shapes are not the plan's (a bug: each shape has its plan).
     """
     values = flatten_inputs(batch, step="training_step")
-    replicas = plan.data_layout.data_parallel
+    replicas = loading.data_parallel
     expected = [tuple(tensor.shape) for tensor in plan.graph.user_inputs]
     local = [(shape[0] // replicas, *shape[1:]) if shape else shape for shape in expected]
     shapes = [tuple(value.shape) for value in values]
@@ -241,3 +241,38 @@ def graph_inputs(plan: Plan, batch: Any) -> dict[str, torch.Tensor]:
             f"a training batch has tensor shapes {shapes}, but its plan is for {local} per data-parallel replica"
         )
     return {tensor.name: value for tensor, value in zip(plan.graph.user_inputs, values)}
+
+
+def reads_other_rows(loading: RecipeLayout, reading: RecipeLayout, world_size: int) -> bool:
+    """Whether some rank's code reads rows another rank loaded: the plan's layout (``reading``, for ``auto``
+    its winner's) groups the ranks into replicas otherwise than the DataLoader's (``loading``)."""
+    return loading.data_parallel != reading.data_parallel or any(
+        loading.replica(rank) != reading.replica(rank) for rank in range(world_size)
+    )
+
+
+def gather_replica_batch(
+    inputs: dict[str, torch.Tensor], loading: RecipeLayout, reading: RecipeLayout, rank: int,
+    all_gather: Callable[[torch.Tensor], list[torch.Tensor]],
+) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s rows under the ``reading`` layout, from every rank's ``inputs`` loaded under ``loading``
+    (a collective: every rank calls it at every step).
+
+    The whole batch is the loading replicas' rows in replica order, as the step was planned
+    (``whole_batch``); ``all_gather(tensor)`` returns every rank's tensor, in rank order. Inputs
+    without a batch dim (0-d) are the same on every rank and kept.
+    """
+    first_rank_of = {}
+    for other in range(loading.grid.size):
+        first_rank_of.setdefault(loading.replica(other), other)
+    replica, replicas = reading.replica(rank), reading.data_parallel
+    gathered = {}
+    for name, value in inputs.items():
+        if value.dim() == 0:
+            gathered[name] = value
+            continue
+        by_rank = all_gather(value.contiguous())
+        whole = torch.cat([by_rank[first_rank_of[index]] for index in range(loading.data_parallel)])
+        rows = whole.shape[0] // replicas
+        gathered[name] = whole[replica * rows : (replica + 1) * rows]
+    return gathered

@@ -4,7 +4,7 @@ Two LightningModules: the GPT reference (attention, two AdamW param groups, warm
 a plain ConvClassifier (Conv1d stem and a Linear -> GELU -> Linear head, no attention; SGD with
 momentum over two param groups, StepLR). Each is trained 20 optimizer steps with
 accumulate_grad_batches=2 and gradient_clip_val=1.0 under DDP and under nnscaler with dp, tp,
-coshard, zero3 and the 1F1B pipeline (microbatched inside each Lightning step), all in one process group (started as torchrun would). Per-batch losses, LRs,
+coshard, zero3 and the 1F1B pipeline (microbatched inside each Lightning step), and the plan ``auto`` searches (a pipeline, loading ddp's batch per rank), all in one process group (started as torchrun would). Per-batch losses, LRs,
 the logged train_loss, the validation loss after training and the final weights must agree with
 DDP's. Unclipped DDP runs show that clipping matters at that tolerance; tp and coshard must really
 split attention and the MLP; with precision="bf16-mixed", tp's and 1f1b's losses must stay within bf16's
@@ -29,6 +29,9 @@ MODELS = ("gpt", "conv")
 # (the default 4 shards, 8 pieces, would leave the attention whole).
 RECIPES: dict[str, Any] = {
     "dp": "nnscaler", "tp": "nnscaler_tp", "coshard": {"recipe": "coshard", "shards": 2}, "zero3": "nnscaler_zero3", "1f1b": "nnscaler_1f1b",
+    # the search picks a 2-stage pipeline (one replica over both ranks) for both models on the cpu spec:
+    # the DataLoader loads ddp's rows per rank, and each step gathers the rows the pipeline reads
+    "auto": "nnscaler_auto",
 }
 BF16 = {"tp": "gpt tp bf16-mixed", "1f1b": "gpt 1f1b bf16-mixed"}
 

@@ -108,7 +108,8 @@ def test_auto_applies_the_winner_which_verifies_and_explains_itself(gpt_and_batc
     assert plan.recipe == "auto" and plan.search is not None
     winner = plan.search.best
     assert plan.zero_stage == winner.built.zero_stage and (plan.pipeline is None) == (winner.built.pipeline is None)
-    assert plan.data_layout.data_parallel == 1  # every rank loads the whole batch; the split is the winner's
+    assert plan.data_layout == winner.built.layout  # each rank's code reads the winner's replica's rows
+    assert lnn.load_recipe("auto").layout(4, {}).data_parallel == 4  # while the DataLoader loads ddp's rows per rank
     plan.verify()
     text = plan.explain()
     assert f"searched: {winner.candidate} — predicted" in text and str(winner.candidate) in text.split("searched:")[1].splitlines()[2]
