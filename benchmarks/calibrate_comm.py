@@ -11,6 +11,9 @@ and inside training steps, and a roofline fitted to the ops of small plans.
    communication operation timed where the step meets it (``sim.in_step``); where a kind and group size
    was seen at two sizes or more, its in-step fit replaces the loop's. Here that is every kind the plans
    use but all-to-all: an all-reduce costs several times its loop figure in a step, a message far less.
+   The same steps give how long an issue is held while the other cores compute, how long a receive
+   posted after its message was sent takes (gloo moves the message only then), and how much longer a
+   rank computes in a step than its ops take alone.
 4. Every op of those plans is timed alone (``sim.profile``) and the roofline's per-op overhead and
    efficiency are fitted to them (``sim.calibrate.fit_roofline``): the search prices ops with the roofline.
 
@@ -26,6 +29,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +47,9 @@ from lightning_nnscaler.materialize.program import Compute
 from lightning_nnscaler.sim.calibrate import fit_alpha_beta, fit_roofline, measure_compute
 from lightning_nnscaler.sim.costs import Roofline, ring_bytes
 from lightning_nnscaler.runtime.logged_comm import Event, LoggedCommunicator
-from lightning_nnscaler.sim.in_step import busy_issue_seconds, communication_seconds, fit_in_step, in_step_durations
+from lightning_nnscaler.sim.in_step import (
+    busy_issue_seconds, communication_seconds, fit_in_step, in_step_durations, late_receive_seconds,
+)
 from lightning_nnscaler.sim.predict import DeviceModel, predict
 from lightning_nnscaler.sim.profile import ProfileDB, Profiled
 from lightning_nnscaler.sim.specs import SPEC_DIRECTORY, HardwareSpec, spec_from_dict
@@ -118,7 +124,7 @@ CALIBRATION_PLANS: list[tuple[str, int, dict[str, Any]]] = [
     (recipe, world_size, {"stages": world_size, "microbatches": 4} if recipe == "1f1b" else {})
     for world_size in (2, 4) for recipe in ("dp", "tp", "zero3", "1f1b")
 ]
-STEPS = 6
+STEPS = 10
 
 
 def calibration_model(width: int) -> Any:
@@ -167,13 +173,27 @@ def calibration_plans() -> list[tuple[int, lnn.Plan]]:
     return plans
 
 
-def in_step_fits(plans: list[tuple[int, lnn.Plan]], spec: HardwareSpec) -> tuple[dict[str, dict[int, tuple[float, float]]], float, float]:
-    """From training steps of ``plans`` on gloo ranks (``sim.in_step``): α–β fits of their communication, the mean
-    hold of an issue while the other cores compute, and ``in_step_factor``: the median over plans and ranks of
-    a rank's time outside communication (the median step's) over its compute as ``spec`` predicts it from ops
-    timed alone (``sim.profile``)."""
+@dataclass
+class InStep:
+    """What the calibration plans' training steps measured (``sim.in_step``)."""
+
+    fits: dict[str, dict[int, tuple[float, float]]]
+    """α–β of each communication kind and group size, as the steps met them."""
+    busy_issue: float
+    """The mean hold of an issue while the other cores compute."""
+    late_receive: dict[int, float]
+    """By world size, the mean time of a receive posted after its message was sent."""
+    factor: float
+    """``in_step_factor``: the median over plans and ranks of a rank's time outside communication (the median
+    step's) over its compute as the spec predicts it from ops timed alone (``sim.profile``)."""
+    median_steps: list[float]
+    """Each plan's median step (of the slowest rank at each step)."""
+
+
+def in_step(plans: list[tuple[int, lnn.Plan]], spec: HardwareSpec) -> InStep:
+    """Train ``plans`` a few steps on gloo ranks with every communication operation logged; see ``InStep``."""
     samples: dict[tuple[str, int], list[tuple[int, float]]] = {}
-    ratios = []
+    ratios, median_steps = [], []
     with tempfile.TemporaryDirectory(prefix="lnn-profile-") as folder:
         device = DeviceModel(spec, Profiled(ProfileDB.open(directory=Path(folder)), Roofline(spec), statistic=min))
         for width, plan in plans:
@@ -188,7 +208,21 @@ def in_step_fits(plans: list[tuple[int, lnn.Plan]], spec: HardwareSpec) -> tuple
             for rank, steps in enumerate(per_rank):
                 outside = statistics.median(seconds - communication_seconds(events) for seconds, events in steps)
                 ratios.append(outside / predicted[rank].busy)
-    return fit_in_step(samples), busy_issue_seconds(samples), statistics.median(ratios)
+            median_steps.append(statistics.median(max(seconds for seconds, _ in step) for step in zip(*per_rank, strict=True)))
+    return InStep(fit_in_step(samples), busy_issue_seconds(samples), late_receive_seconds(samples), statistics.median(ratios), median_steps)
+
+
+def print_residuals(spec: HardwareSpec, plans: list[tuple[int, lnn.Plan]], median_steps: list[float]) -> None:
+    """Each calibration plan's median step against what the calibrated ``spec`` predicts (ops timed alone)."""
+    with tempfile.TemporaryDirectory(prefix="lnn-profile-") as folder:
+        device = DeviceModel(spec, Profiled(ProfileDB.open(directory=Path(folder)), Roofline(spec), statistic=min))
+        errors = []
+        for (width, plan), measured in zip(plans, median_steps, strict=True):
+            predicted = predict(plan, spec, device).step_seconds
+            errors.append(abs(predicted / measured - 1))
+            label = " ".join([f"width {width}", plan.recipe, *(f"{key}={value}" for key, value in plan.params.items()), f"x{plan.world_size}"])
+            print(f"{label:<44} median step {measured * 1e3:6.1f} ms, predicted {predicted * 1e3:6.1f} ms ({predicted / measured - 1:+.0%})")
+    print(f"calibration plans: mean absolute error {statistics.fmean(errors):.1%}")
 
 
 def roofline_fit(spec: HardwareSpec, plans: list[tuple[int, lnn.Plan]]) -> tuple[float, float]:
@@ -231,20 +265,22 @@ def calibrate(output: Path) -> None:
         "optimizer": [compute["optimizer_per_tensor"], compute["optimizer_per_element"]],
     }
     plans = calibration_plans()
-    fits, busy_issue, factor = in_step_fits(plans, spec_from_dict(spec, "measured"))
-    for kind, by_size in fits.items():
+    measured = in_step(plans, spec_from_dict(spec, "measured"))
+    for kind, by_size in measured.fits.items():
         for world_size, (alpha, beta) in by_size.items():
             collectives.setdefault(kind, {})[world_size] = [alpha, beta]
     overhead, efficiency = roofline_fit(spec_from_dict(spec, "measured"), plans)
-    spec.update(op_overhead_s=overhead, matmul_efficiency=efficiency, memory_efficiency=efficiency, busy_issue_s=busy_issue,
-                in_step_factor=factor)
+    spec.update(op_overhead_s=overhead, matmul_efficiency=efficiency, memory_efficiency=efficiency, busy_issue_s=measured.busy_issue,
+                late_receive_s=measured.late_receive, in_step_factor=measured.factor)
     for kind, by_size in collectives.items():
         for world_size, (alpha, beta) in sorted(by_size.items()):
-            where = "in steps" if world_size in fits.get(kind, {}) else "in loops"
+            where = "in steps" if world_size in measured.fits.get(kind, {}) else "in loops"
             print(f"{kind:>15} p={world_size} ({where}): alpha {alpha * 1e6:8.1f} us, beta {beta * 1e9:7.3f} ns/B")
-    print(f"issuing while the other cores compute holds a rank {busy_issue * 1e6:.1f} us on average; in a step a rank computes "
-          f"{factor:.2f}x as long as its ops timed alone; roofline fitted to those ops: {overhead * 1e6:.1f} us per op, "
-          f"{efficiency:.2f} of the peak rates")
+    late = ", ".join(f"{seconds * 1e6:.0f} us at {ranks} ranks" for ranks, seconds in sorted(measured.late_receive.items()))
+    print(f"issuing while the other cores compute holds a rank {measured.busy_issue * 1e6:.1f} us on average; a receive posted after its "
+          f"message was sent takes {late or 'nothing measured'}; in a step a rank computes {measured.factor:.2f}x as long as its ops "
+          f"timed alone; roofline fitted to those ops: {overhead * 1e6:.1f} us per op, {efficiency:.2f} of the peak rates")
+    print_residuals(spec_from_dict(spec, "calibrated"), plans, measured.median_steps)
     header = "# Measured by benchmarks/calibrate_comm.py (torch %s): compute in one thread, gloo over loopback.\n" % torch.__version__
     output.write_text(header + yaml.safe_dump(spec, sort_keys=False))
     print(f"matmul {compute['flops'] / 1e9:.1f} GFLOP/s, copy {compute['bandwidth'] / 1e9:.1f} GB/s, op overhead "

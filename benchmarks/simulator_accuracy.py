@@ -25,7 +25,7 @@ step: the median step is its measure, the fastest step (the luckiest of all) is 
 
 Also prints the time to simulate the 1024-GPU GPT-3 175B plan (dp 8 × tp 8 × pp 16 on A100s).
 
-Run: python benchmarks/simulator_accuracy.py [--rounds 2] [--steps 4] [--only scale|accuracy] [--calibrate | --spec PATH] [--plan TEXT ...]
+Run: python benchmarks/simulator_accuracy.py [--rounds 4] [--steps 6] [--only scale|accuracy] [--calibrate | --spec PATH] [--plan TEXT ...]
 """
 
 from __future__ import annotations
@@ -209,8 +209,8 @@ def scale_seconds() -> tuple[float, float, float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--only", choices=("scale", "accuracy"), default=None)
     parser.add_argument("--plan", action="append", default=[], metavar="TEXT",
                         help="run only the plans whose name contains TEXT (e.g. 'gpt coshard'); repeatable")

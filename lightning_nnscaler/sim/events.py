@@ -7,6 +7,9 @@ re-rates the others. ``simulate`` uses it when ``Machine.cores_per_node`` is set
 Issuing a send or starting an asynchronous collective while the node's other cores all compute holds the rank for
 ``Machine.busy_issue_seconds`` (counted as communication): the backend's communication thread must first
 get a core, and the issuing call waits for it (gloo over loopback: a scheduler time slice, milliseconds).
+A receive posted after its message was sent returns ``Machine.late_receive_seconds`` after it was posted at
+the earliest (counted as communication): gloo moves a message when its receive asks for it, so the
+sender's communication thread must be scheduled again. A receive posted first only waits for the message.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class EventRun:
         self.active: dict[int, dict[int, list[float]]] = {}  # node -> rank -> [remaining work, rate]
         self.last_update: dict[int, float] = {}
         self.issue_until: list[float | None] = [None] * self.world  # a rank held by its issue: until when
+        self.late_until: dict[tuple[int, int, int], float] = {}  # a message received late: when its receive returns
+        self.waited: set[tuple[int, int, int]] = set()  # messages whose receive was posted before them
 
     def go(self) -> None:
         """Advance ready ranks at ``now``, then take the next event in time order, until none is left."""
@@ -175,11 +180,16 @@ class EventRun:
         message = self.messages.get(key)
         if message is None:
             self.message_waiter[key] = rank
+            self.waited.add(key)
             return self._block(rank)
         posted, arrives = message
+        if self.shared and self.machine.late_receive_seconds and key not in self.waited:  # see the module docstring
+            arrives = max(arrives, self.late_until.setdefault(key, self.now + self.machine.late_receive_seconds))
         if arrives > self.now:
             self.push(arrives, rank)
             return self._block(rank)
+        self.waited.discard(key)
+        self.late_until.pop(key, None)
         self.received[channel] = key[2] + 1
         del self.messages[key]
         self._account_wait(rank, since, max(since, posted), "recv", task.label)

@@ -16,7 +16,10 @@ simulator prices; a receive that comes later finds the message there or on its w
 fits ``alpha + beta · ring bytes`` per kind and group size over the median of each size, weighed by its
 samples. On shared cores, issuing a send or an asynchronous sum while every other core computes holds
 the issuing rank until the communication thread gets a core; ``busy_issue_seconds`` is its mean (the
-hold is rare and long: a time slice of the scheduler), which the simulator charges such issues.
+hold is rare and long: a time slice of the scheduler), which the simulator charges such issues. A
+receive posted after its message was sent (a pipeline stage that finished its compute late) does not
+find the message there: gloo moves it when the receive asks, once the sender's communication thread
+runs; ``late_receive_seconds`` is the mean time of such receives, by world size.
 """
 
 from __future__ import annotations
@@ -95,8 +98,13 @@ def in_step_durations(
                     samples["issue", len(rank_events)].append((event.nbytes, event.issue_returned - event.issued))
     for pair, sent in sends.items():
         for send, receive in zip(sent, receives.get(pair, []), strict=False):
-            if receive.issued <= send.issued and receive.returned is not None:  # the receiver was waiting
-                samples["p2p", len(rank_events)].append((send.nbytes, receive.returned - (send.issue_returned or send.issued)))
+            if receive.returned is None:
+                continue
+            sent_at = send.issue_returned or send.issued
+            if receive.issued <= send.issued:  # the receiver was waiting
+                samples["p2p", len(rank_events)].append((send.nbytes, receive.returned - sent_at))
+            elif receive.issued >= sent_at:  # the message was sent before its receive was posted
+                samples["late_recv", len(rank_events)].append((send.nbytes, receive.returned - receive.issued))
     return dict(samples)
 
 
@@ -107,7 +115,7 @@ def fit_in_step(samples: dict[tuple[str, int], list[tuple[int, float]]], min_siz
     ``min_sizes`` sizes is left out (its loop fit stands)."""
     fits: dict[str, dict[int, tuple[float, float]]] = {}
     for (kind, ranks), points in samples.items():
-        if kind == "issue":
+        if kind in ("issue", "late_recv"):
             continue
         by_size: dict[int, list[float]] = defaultdict(list)
         for nbytes, seconds in points:
@@ -125,6 +133,14 @@ def busy_issue_seconds(samples: dict[tuple[str, int], list[tuple[int, float]]]) 
     """The mean hold of an issue while every other core computed (``in_step_durations`` with ``cores``), 0 without any."""
     holds = [seconds for (kind, _), points in samples.items() if kind == "issue" for _, seconds in points]
     return statistics.fmean(holds) if holds else 0.0
+
+
+def late_receive_seconds(samples: dict[tuple[str, int], list[tuple[int, float]]]) -> dict[int, float]:
+    """By world size, the mean time of a receive posted after its message was sent (``in_step_durations``):
+    the simulator's ``late_receive_s``. The mean, as for issue holds: most take a tenth of a millisecond, a
+    few a scheduler time slice, and a step adds them all up."""
+    return {ranks: statistics.fmean(seconds for _, seconds in points)
+            for (kind, ranks), points in samples.items() if kind == "late_recv" and points}
 
 
 def communication_seconds(events: Sequence[CommEvent]) -> float:

@@ -20,11 +20,14 @@ class CommunicationModel(Protocol):
 class Machine:
     """Where the ranks run: ``ranks_per_node`` consecutive ranks per node; ``cores_per_node`` compute slots
     shared by a node's ranks (None: one device per rank, no sharing); ``busy_issue_seconds`` what issuing a
-    send or starting an asynchronous collective holds a rank while every core of its node computes (``HardwareSpec.busy_issue_s``)."""
+    send or starting an asynchronous collective holds a rank while every core of its node computes (``HardwareSpec.busy_issue_s``);
+    ``late_receive_seconds`` how long a receive posted after its message was sent takes on shared cores
+    (``HardwareSpec.late_receive_s``)."""
 
     ranks_per_node: int = 8
     cores_per_node: int | None = None
     busy_issue_seconds: float = 0.0
+    late_receive_seconds: float = 0.0
 
 
 @dataclass

@@ -48,6 +48,9 @@ class HardwareSpec:
         busy_issue_s: with ``cores_per_node`` set, how long issuing a send or starting an asynchronous collective holds a rank
             while the node's other cores all compute (the backend's communication thread waits for a core first);
             measured in training steps by ``benchmarks/calibrate_comm.py`` (``sim.in_step``).
+        late_receive_s: with ``cores_per_node`` set, by world size, how long a receive posted after its message was
+            sent takes (gloo moves the message when the receive asks for it, so the sender's communication
+            thread must get a core first); the mean measured in training steps by ``benchmarks/calibrate_comm.py``.
         intra_node, inter_node: the links within and across nodes.
         collectives: fitted ``{kind: {group size: [alpha, beta]}}`` (``time = alpha + beta × ring bytes``);
             ``p2p`` is the point-to-point fit. Missing entries fall back to ring formulas over the links.
@@ -66,9 +69,15 @@ class HardwareSpec:
     cores_per_node: int | None = None
     busy_issue_s: float = 0.0
     in_step_factor: float = 1.0
+    late_receive_s: dict[int, float] = field(default_factory=dict)
     collectives: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
     optimizer: tuple[float, float] | None = None
     """Measured AdamW step: (seconds per tensor, seconds per element); None: the roofline's memory-bound estimate."""
+
+    def late_receive_seconds(self, world_size: int) -> float:
+        """``late_receive_s`` for a run of ``world_size`` ranks: the entry for the most ranks not above it (0 without one)."""
+        measured = [ranks for ranks in self.late_receive_s if ranks <= max(world_size, 2)]
+        return self.late_receive_s[max(measured)] if measured else 0.0
 
     def flops(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (float32's when the spec lists no figure for it)."""
@@ -136,6 +145,7 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> HardwareSpec:
         cores_per_node=None if data.get("cores_per_node") is None else int(data["cores_per_node"]),
         busy_issue_s=float(data.get("busy_issue_s", 0.0)),
         in_step_factor=float(data.get("in_step_factor", 1.0)),
+        late_receive_s={int(ranks): float(seconds) for ranks, seconds in (data.get("late_receive_s") or {}).items()},
         collectives=collectives,
         optimizer=None if data.get("optimizer") is None else (float(data["optimizer"][0]), float(data["optimizer"][1])),
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_nnscaler.runtime.logged_comm import Event
-from lightning_nnscaler.sim.in_step import fit_in_step, in_step_durations
+from lightning_nnscaler.sim.in_step import fit_in_step, in_step_durations, late_receive_seconds
 
 
 def test_a_collective_lasts_from_its_last_arrival_to_its_return() -> None:
@@ -31,10 +31,18 @@ def test_an_async_sum_whose_wait_did_not_block_gives_no_sample() -> None:
     assert in_step_durations([rank0, rank1]) == {("all_reduce", 2): [(64, pytest.approx(2.4))]}
 
 
-def test_a_message_counts_only_where_the_receiver_was_already_waiting() -> None:
+def test_a_message_counts_where_the_receiver_was_already_waiting_and_a_late_receive_apart() -> None:
+    """The first receive waited for its message (its one-way time); the second came after the send (its own time)."""
     sender = [Event("send", (0, 1), 256, issued=1.0), Event("send", (0, 1), 256, issued=3.0)]
-    receiver = [Event("recv", (0, 1), 256, issued=0.5, returned=1.1), Event("recv", (0, 1), 256, issued=3.5, returned=3.6)]
-    assert in_step_durations([sender, receiver]) == {("p2p", 2): [(256, pytest.approx(0.1))]}
+    receiver = [Event("recv", (0, 1), 256, issued=0.5, returned=1.1), Event("recv", (0, 1), 256, issued=3.5, returned=3.8)]
+    assert in_step_durations([sender, receiver]) == {("p2p", 2): [(256, pytest.approx(0.1))], ("late_recv", 2): [(256, pytest.approx(0.3))]}
+
+
+def test_late_receives_are_priced_by_their_mean_per_world_size_and_fit_no_alpha_beta() -> None:
+    samples = {("late_recv", 2): [(8, 0.0001), (8, 0.0001), (64, 0.0031)], ("late_recv", 4): [(8, 0.001)],
+               ("p2p", 2): [(8, 0.00002), (64, 0.00003)]}
+    assert late_receive_seconds(samples) == {2: pytest.approx(0.0011), 4: pytest.approx(0.001)}
+    assert set(fit_in_step(samples)) == {"p2p"}
 
 
 def test_a_collective_some_member_did_not_reach_is_left_out() -> None:

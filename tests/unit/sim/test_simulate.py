@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from lightning_nnscaler.schedules import Kind, lower, one_f_one_b, theoretical_bubble_fraction
 from lightning_nnscaler.sim.simulate import DeadlockError, Machine, simulate
+from lightning_nnscaler.sim.specs import load_spec
 from lightning_nnscaler.sim.tasks import Collective, Compute, Recv, Send, WaitCollectives
 
 
@@ -99,3 +102,25 @@ def test_an_issue_while_the_other_cores_compute_holds_the_sender() -> None:
     assert held.step_seconds == pytest.approx(free.step_seconds + 0.002)
     roomy = simulate(lists, Fixed(), Machine(ranks_per_node=2, cores_per_node=4, busy_issue_seconds=0.002))
     assert roomy.step_seconds == pytest.approx(free.step_seconds)
+
+
+def test_a_receive_posted_after_its_message_was_sent_takes_the_late_receive_time() -> None:
+    """Rank 1 computes past both sends: its receives are late and each takes 2 ms (communication). A receive that
+    was posted first (rank 0's, waiting for rank 1's reply) only waits for its message."""
+    lists = [
+        [Send(1, 8), Send(1, 8), Recv(1)],
+        [Compute(0.010), Recv(0), Recv(0), Send(0, 8)],
+    ]
+    machine = Machine(ranks_per_node=2, cores_per_node=2)
+    prompt = simulate(lists, Fixed(), machine)
+    late = simulate(lists, Fixed(), Machine(ranks_per_node=2, cores_per_node=2, late_receive_seconds=0.002))
+    assert prompt.step_seconds == pytest.approx(0.010)
+    assert late.step_seconds == pytest.approx(0.014)
+    assert late.ranks[1].communication == pytest.approx(0.004)
+    assert late.ranks[0].communication == pytest.approx(0.0)  # its receive was posted before the reply was sent
+
+
+def test_the_late_receive_time_is_the_specs_entry_for_the_world_size() -> None:
+    spec = replace(load_spec("cpu"), late_receive_s={2: 0.001, 4: 0.003})
+    assert [spec.late_receive_seconds(world) for world in (2, 3, 4, 8)] == [0.001, 0.001, 0.003, 0.003]
+    assert load_spec("a100").late_receive_seconds(8) == 0.0
