@@ -46,3 +46,28 @@ def test_logged_gloo_operations_become_in_step_durations() -> None:
     assert all(seconds >= 0 for points in durations.values() for _, seconds in points)
     # the async sum is timed from rank 0's late arrival, not from rank 1's issue 20 ms before it
     assert dict(durations["all_reduce", 2])[128] < 0.02
+
+
+def late_receiving_rank(rank: int, world_size: int) -> list[Event]:
+    """Rank 0 sends, then both meet in a sum: rank 1 posts its receive surely after the send returned."""
+    communicator = LoggedCommunicator(30.0)
+    communicator.create_groups([(0, 1)])
+    communicator.all_reduce(torch.ones(1), (0, 1))  # connect first
+    communicator.events = []
+    if rank == 0:
+        communicator.send(torch.ones(16), 1, tag=5)
+        communicator.all_reduce(torch.ones(1), (0, 1))
+        communicator.wait_sends()
+    else:
+        communicator.all_reduce(torch.ones(1), (0, 1))
+        time.sleep(0.2)
+        communicator.recv((16,), torch.float32, 0, tag=5)
+    return [event for event in communicator.events if event.kind in ("send", "recv")]
+
+
+def test_a_receive_posted_after_its_send_is_a_late_receive_timed_from_its_own_call() -> None:
+    events = launch_ranks(late_receiving_rank, 2, timeout=60.0)
+    durations = in_step_durations(events)
+    assert set(durations) == {("late_recv", 2)}  # not a one-way message time: the receiver was not waiting
+    ((nbytes, seconds),) = durations["late_recv", 2]
+    assert nbytes == 64 and 0 <= seconds < 0.2  # its own call, not the 200 ms rank 1 slept before it
