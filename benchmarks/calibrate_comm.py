@@ -190,7 +190,7 @@ class InStep:
     """Each plan's median step (of the slowest rank at each step)."""
 
 
-def in_step(plans: list[tuple[int, lnn.Plan]], spec: HardwareSpec) -> InStep:
+def measure_in_step(plans: list[tuple[int, lnn.Plan]], spec: HardwareSpec) -> InStep:
     """Train ``plans`` a few steps on gloo ranks with every communication operation logged; see ``InStep``."""
     samples: dict[tuple[str, int], list[tuple[int, float]]] = {}
     ratios, median_steps = [], []
@@ -265,7 +265,7 @@ def calibrate(output: Path) -> None:
         "optimizer": [compute["optimizer_per_tensor"], compute["optimizer_per_element"]],
     }
     plans = calibration_plans()
-    measured = in_step(plans, spec_from_dict(spec, "measured"))
+    measured = measure_in_step(plans, spec_from_dict(spec, "measured"))
     for kind, by_size in measured.fits.items():
         for world_size, (alpha, beta) in by_size.items():
             collectives.setdefault(kind, {})[world_size] = [alpha, beta]

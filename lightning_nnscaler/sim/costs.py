@@ -28,7 +28,7 @@ from typing import Protocol
 from lightning_nnscaler.explain import ring_bytes as explain_ring_bytes
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.tensor import FLOATING, dtype_bytes
-from lightning_nnscaler.sim.specs import HardwareSpec, Link
+from lightning_nnscaler.sim.specs import HardwareSpec, Link, measured_for
 
 MATMULS = frozenset({"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default"})
 ADD_MATMULS = frozenset({"aten.addmm.default", "aten.baddbmm.default"})  # (bias, a, b): K from a
@@ -148,9 +148,7 @@ class CommModel:
 
     def p2p_seconds(self, src: int, dst: int, nbytes: int) -> tuple[float, float]:
         """(latency, transfer seconds) of one message."""
-        fits = self.spec.collectives.get("p2p", {})
-        measured = [ranks for ranks in fits if ranks <= max(self.world_size, 2)]
-        fit = fits[max(measured)] if measured else None
+        fit = measured_for(self.spec.collectives.get("p2p", {}), self.world_size)
         if fit is not None:
             return fit[0], fit[1] * nbytes
         link = self.link((src, dst))

@@ -116,8 +116,8 @@ def fit_in_step(samples: dict[tuple[str, int], list[tuple[int, float]]], min_siz
 
     The mean, not the median: in-step costs are heavy-tailed (co-shard's 256 KiB all-reduces: median 0.54 ms,
     mean 1.5 ms, a few calls waiting a scheduler slice), and a step adds up all its calls, so its time follows
-    their mean. Fitted to medians, the accuracy benchmark's 16 plans scored 16.5-16.8 % mean error (Kendall tau 0.70-0.76) on
-    two benchmark measurements; to means, 11.6-13.1 % (tau 0.77-0.80), from the same calibration samples."""
+    their mean. From the same calibration samples, the accuracy benchmark's 16 plans scored 16.5-16.8 % mean
+    error (Kendall tau 0.70-0.76) on two measurements with median fits, 11.6-13.1 % (tau 0.77-0.80) with means."""
     fits: dict[str, dict[int, tuple[float, float]]] = {}
     for (kind, ranks), points in samples.items():
         if kind in ("issue", "late_recv"):

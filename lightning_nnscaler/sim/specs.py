@@ -12,13 +12,15 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
 SPEC_DIRECTORY = Path(__file__).resolve().parent / "specs"
 FALLBACK_GPU_SPEC = "a100"
 """What a GPU without a shipped spec is predicted on (``predict``'s default: the most common data-centre GPU)."""
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -75,13 +77,19 @@ class HardwareSpec:
     """Measured AdamW step: (seconds per tensor, seconds per element); None: the roofline's memory-bound estimate."""
 
     def late_receive_seconds(self, world_size: int) -> float:
-        """``late_receive_s`` for a run of ``world_size`` ranks: the entry for the most ranks not above it (0 without one)."""
-        measured = [ranks for ranks in self.late_receive_s if ranks <= max(world_size, 2)]
-        return self.late_receive_s[max(measured)] if measured else 0.0
+        """``late_receive_s`` for a run of ``world_size`` ranks (``measured_for``; 0 without an entry)."""
+        return measured_for(self.late_receive_s, world_size) or 0.0
 
     def flops(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (float32's when the spec lists no figure for it)."""
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
+
+
+def measured_for(table: dict[int, T], world_size: int) -> T | None:
+    """A by-world-size calibration entry for a run of ``world_size`` ranks: the one measured with the most ranks
+    not above it (on shared cores a cost grows with the ranks keeping the cores busy); None without one."""
+    measured = [ranks for ranks in table if ranks <= max(world_size, 2)]
+    return table[max(measured)] if measured else None
 
 
 def available_specs() -> list[str]:
