@@ -53,7 +53,7 @@ from lightning_nnscaler.runtime import TorchDistributedCommunicator
 from lightning_nnscaler.runtime.executor import RankExecutor
 from lightning_nnscaler.sim import CommModel, DeviceModel, Machine, Roofline, load_spec, predict, simulate
 from lightning_nnscaler.sim.analytic import TransformerShape, transformer_task_lists
-from lightning_nnscaler.sim.meter import SavedMeter
+from lightning_nnscaler.sim.meter import AllocationMeter, SavedMeter
 from lightning_nnscaler.sim.profile import ProfileDB, Profiled
 
 from calibrate_comm import calibrate  # noqa: E402 - benchmarks/ is on sys.path
@@ -114,6 +114,7 @@ def timed_plan(rank: int, payload: Payload) -> tuple[RankExecutor, torch.optim.O
     def step() -> float:
         dist.barrier()
         start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)  # as Lightning's loop does each step
         executor.forward_backward(inputs)
         optimizer.step()
         executor.after_optimizer_step()
@@ -132,7 +133,11 @@ def rank_main(rank: int, world_size: int, payload: Payload) -> dict[str, Any]:
     meter = StepMeter(executor)
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         step()
-    return {"times": times, "memory": held_bytes(executor, optimizer) + gathered_bytes(executor) + meter.peak}
+    optimizer.zero_grad(set_to_none=True)  # the step's own zero_grad would free blocks allocated before the meter, which it cannot see
+    held = held_bytes(executor, optimizer)
+    with AllocationMeter() as allocated:
+        step()
+    return {"times": times, "memory": held + gathered_bytes(executor) + meter.peak, "allocated": held + allocated.peak}
 
 
 class StepMeter(SavedMeter):

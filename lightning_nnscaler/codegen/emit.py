@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from lightning_nnscaler.codegen.names import with_safe_names
-from lightning_nnscaler.codegen.recompute import block_lines, recompute_blocks
+from lightning_nnscaler.codegen.recompute import RecomputeBlocks, block_lines, recompute_blocks
 from lightning_nnscaler.codegen.segments import boundary_lines, emit_segments, is_boundary, segment_of
 from lightning_nnscaler.ir.op import WHOLE_STEP_SCHEDULE
 from lightning_nnscaler.ir.printer import format_argument
 from lightning_nnscaler.ir.randomness import RANDOM_LIKE_OP, RANDOM_OP
 from lightning_nnscaler.ir.vocab import VOCAB_TARGETS
-from lightning_nnscaler.materialize.program import Assemble, Collective, Compute, Program, RankOutput, RankProgram, Recv, Send
+from lightning_nnscaler.materialize.program import Assemble, Collective, Compute, Program, RankOutput, RankProgram, Recv, Send, reads, writes
 
 HEADER = '''"""Rank {rank} of {world_size}: plan {plan_hash} ({label}).
 
@@ -129,16 +129,50 @@ def _value_tables(program: Program, rank_program: RankProgram) -> list[str]:
     return lines
 
 
-def _body(program: RankProgram) -> list[str]:
+def _body(program: RankProgram, returned: set[str]) -> list[str]:
+    """The statements of a segment's actions, each intermediate deleted after its last use (``_dead_after``)."""
     lines: list[str] = []
     blocks = recompute_blocks(program)
+    dead = _dead_after(program, blocks, returned)
     for index, action in enumerate(program.actions):
         if index in blocks.block_of:
             if blocks.last(index):
                 lines.extend(block_lines(program, blocks, blocks.block_of[index], _action_lines))
         elif index not in blocks.moved_assembles:
             lines.extend(_action_lines(action))
+        if dead.get(index):
+            lines.append(f"del {', '.join(dead[index])}")
     return lines
+
+
+def _dead_after(program: RankProgram, blocks: RecomputeBlocks, returned: set[str]) -> dict[int, list[str]]:
+    """Per action index, the variables the function defines and no later statement reads (nor its ``return``).
+
+    A name held to the end of the function keeps its tensor alive through the whole forward, as
+    eager PyTorch would not (a loss's logits, a residual branch's output): deleting it after its last
+    reader frees the tensor unless autograd saved it.
+    """
+    def emitted_at(index: int) -> int:
+        block = blocks.block_of.get(index) or blocks.moved_assembles.get(index)
+        return index if block is None else blocks.members[block][-1]
+
+    inner: set[str] = set()  # defined and read only inside a checkpointed block: local to its function
+    for block, members in blocks.members.items():
+        indices = members + [index for index, owner in blocks.moved_assembles.items() if owner == block]
+        defined = {var for index in indices for var in writes(program.actions[index])}
+        outside = {var for index, action in enumerate(program.actions) if index not in indices for var in reads(action)}
+        inner |= defined - outside - returned
+    defined_at = {var: emitted_at(index) for index, action in enumerate(program.actions) for var in writes(action) if var not in inner}
+    last = dict(defined_at)
+    for index, action in enumerate(program.actions):
+        for var in reads(action):
+            if var in last:
+                last[var] = max(last[var], emitted_at(index))
+    dead: dict[int, list[str]] = {}
+    for var, index in last.items():
+        if var not in returned:
+            dead.setdefault(index, []).append(var)
+    return dead
 
 
 def _action_lines(action: Any) -> list[str]:

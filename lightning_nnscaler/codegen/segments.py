@@ -46,10 +46,11 @@ def segments_of(program: RankProgram) -> dict[Segment, RankProgram]:
     return dict(grouped)
 
 
-def emit_segments(rank_program: RankProgram, schedule: list[str], body: Callable[[RankProgram], list[str]]) -> list[str]:
+def emit_segments(rank_program: RankProgram, schedule: list[str], body: Callable[[RankProgram, set[str]], list[str]]) -> list[str]:
     """The step part of a rank's module: ``SCHEDULE``, the boundary tables, the prologue and the segment functions.
 
-    ``body(segment_program)`` gives the statement lines of one segment (``emit._body``). Empty
+    ``body(segment_program, returned)`` gives the statement lines of one segment (``emit._body``; ``returned``:
+    the variables the function's ``return`` reads, which its statements must keep). Empty
     tables print on one line and an empty prologue is left out (the runtime skips a missing one).
     """
     segments = segments_of(rank_program)
@@ -94,7 +95,7 @@ def _prologue(part: RankProgram, held: set[str], results: list[str], body) -> li
     lines = ["def prologue(held, communicator, token):"]
     lines.append('    """The step\'s ops that need no gradient (batch metadata, masks), run once before any segment."""')
     lines += [f"    {var} = held[{var!r}]" for var in _outside_reads(part, held)]
-    lines += ["    " + line for line in body(part)]
+    lines += ["    " + line for line in body(part, set(results))]
     lines.append(f"    return {{{', '.join(f'{var!r}: {var}' for var in results)}}}, token")
     return lines
 
@@ -108,8 +109,8 @@ def _segment_function(segment: Segment, part: RankProgram, held: dict[str, Local
             lines.append(f"    {var} = held[{var!r}]  # {tuple(stop - start for start, stop in held[var].box)}")
         else:
             lines.append(f"    {var} = shared[{var!r}]")
-    lines += ["    " + line for line in body(part)]
     sent = [action for action in part.actions if isinstance(action, Send) and action.boundary]
+    lines += ["    " + line for line in body(part, {action.source_var for action in sent} | {output.var for output in part.outputs})]
     sent_text = ", ".join(f"{action.tag}: {action.source_var}{_slices(action.region)}" for action in sent)
     outputs = ", ".join(f"{output.name!r}: {output.var}" for output in part.outputs)
     lines.append(f"    return {{{sent_text}}}, {{{outputs}}}, token")

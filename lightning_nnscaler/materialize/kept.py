@@ -41,6 +41,8 @@ class KeptBytes:
         """Per recompute group, the block its next member joins."""
         self.fallbacks = 0
         """Ops whose saved tensors could not be measured (all their outputs counted)."""
+        self.internal: dict[str, int] = {}
+        """By op name: bytes of the tensors it saves that are neither its inputs nor its outputs (a fused loss's log-probabilities)."""
 
     def root(self, var: str) -> str:
         """The variable whose storage ``var`` views (``var`` itself when it owns one)."""
@@ -93,6 +95,7 @@ class KeptBytes:
             self.fallbacks += 1
             return self._count(action.segment, action.output_vars)
         variables = [action.input_vars[position] for position in saved.inputs] + [action.output_vars[position] for position in saved.outputs]
+        self.internal[action.op.name] = saved.internal_bytes
         return self._count(action.segment, variables) + saved.internal_bytes
 
     def _end_blocks_read_by(self, action: Action) -> None:

@@ -116,9 +116,11 @@ class EventRun:
 
     def start_compute(self, rank: int, task: Compute) -> None:
         self.state[rank] = _COMPUTING
-        self.live[rank] += task.activation_bytes
         stats = self.stats[rank]
+        stats.peak_live_bytes = max(stats.peak_live_bytes, self.live[rank] + task.transient_bytes)
+        self.live[rank] += task.activation_bytes
         stats.peak_activation_bytes = max(stats.peak_activation_bytes, self.live[rank])
+        stats.peak_live_bytes = max(stats.peak_live_bytes, self.live[rank])
         self.started[rank] = self.now
         if not self.shared:
             self.version[rank] += 1

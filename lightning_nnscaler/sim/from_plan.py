@@ -30,6 +30,7 @@ from lightning_nnscaler.materialize.program import Assemble, Collective, Compute
 from lightning_nnscaler.sim.costs import FLOATING, ComputeModel
 from lightning_nnscaler.materialize.kept import KeptBytes, backward_seed_bytes
 from lightning_nnscaler.sim.tasks import Collective as CollectiveTask, Compute, Recv, Send, Task, WaitCollectives
+from lightning_nnscaler.sim.transient import OpMemory, TransientBytes, backward_peaks
 
 BUCKET_BYTES = 25 * 1024 * 1024
 """``runtime.reducer.BUCKET_BYTES`` (DDP's default bucket size), repeated: the simulator may not import the runtime."""
@@ -47,6 +48,11 @@ class _Chunk:
     recompute: float = 0.0
     """Forward seconds of its recomputed ops, run again by each backward pass (B, and W when split)."""
     kept: int = 0
+    forward_peak: int = 0
+    """Most bytes its forward holds beyond what was live before it (``sim.transient``)."""
+    backward_peak: int = 0
+    """Most bytes its backward holds beyond what was live before it, its kept bytes still counted."""
+    ops: list[OpMemory] = field(default_factory=list)
 
 
 @dataclass
@@ -106,9 +112,12 @@ class TaskBuilder:
     def _segments(self, rank: int) -> dict[Any, _Segment]:
         segments: dict[Any, _Segment] = {}
         kept = KeptBytes(self.program.ranks[rank], self._trains)
+        transient = TransientBytes(self.program.ranks[rank], kept)
         for action in self.program.ranks[rank].actions:
             segment = segments.setdefault(action.segment, _Segment())
             kept.follow(action)
+            if not isinstance(action, ComputeAction):
+                transient.follow(action)
             if isinstance(action, ComputeAction):
                 chunk = segment.items[-1] if segment.items and isinstance(segment.items[-1], _Chunk) else None
                 if chunk is None:
@@ -119,7 +128,11 @@ class TaskBuilder:
                 chunk.forward += time.forward
                 chunk.backward += time.backward
                 chunk.recompute += time.forward if recomputed and time.backward else 0.0
-                chunk.kept += kept.kept(action)
+                op_kept = kept.kept(action)
+                transient.follow(action)
+                chunk.kept += op_kept
+                chunk.forward_peak = max(chunk.forward_peak, chunk.kept + transient.forward_bytes(action))
+                chunk.ops.append(transient.op_memory(action, op_kept))
             elif isinstance(action, Assemble):
                 nbytes = math.prod(action.piece.shape) * dtype_bytes(action.piece.tensor.dtype)
                 segment.items.append(_Chunk(self.compute.copy_seconds(nbytes), self.compute.copy_seconds(nbytes)))
@@ -129,6 +142,10 @@ class TaskBuilder:
                 segment.inputs.append(action)
             else:
                 segment.items.append(action)
+        for segment in segments.values():
+            chunks = [item for item in segment.items if isinstance(item, _Chunk)]
+            for chunk, peak in zip(chunks, backward_peaks([chunk.ops for chunk in chunks]), strict=True):
+                chunk.backward_peak = peak
         return segments
 
     # --- forward and backward of one segment -----------------------------------------------------------
@@ -137,7 +154,7 @@ class TaskBuilder:
         tasks: list[Task] = []
         for item in segment.items:
             if isinstance(item, _Chunk):
-                tasks.append(Compute(item.forward, "forward", label, activation_bytes=item.kept if keep else 0))
+                tasks.append(Compute(item.forward, "forward", label, activation_bytes=item.kept if keep else 0, transient_bytes=item.forward_peak))
             elif isinstance(item, SendAction):
                 tasks.append(Send(item.dst, self.message_bytes.get((rank, item.dst, item.tag), 0)))
             elif isinstance(item, RecvAction):
@@ -151,7 +168,8 @@ class TaskBuilder:
         for item in reversed(segment.items):
             if isinstance(item, _Chunk):
                 if item.backward:
-                    tasks.append(Compute(item.backward * share + item.recompute, "backward", label, activation_bytes=-item.kept if release else 0))
+                    tasks.append(Compute(item.backward * share + item.recompute, "backward", label, activation_bytes=-item.kept if release else 0,
+                                         transient_bytes=item.backward_peak))
                 elif release and item.kept:
                     tasks.append(Compute(0.0, "backward", label, activation_bytes=-item.kept))
             elif isinstance(item, SendAction) and self._floating_message(rank, item.dst, item.tag):

@@ -92,7 +92,9 @@ def predict(plan: Any, spec: HardwareSpec | str = "a100", device: DeviceModel | 
     """Simulate one training step of ``plan`` on ``spec`` (default costs: its roofline).
 
     Memory per rank is ``plan.memory_rows()`` (parameters, gradients, optimizer, transient) with
-    ``activations`` replaced by the simulated peak of live activations over the rank's list.
+    ``activations`` replaced by the simulated peak of activations kept for backward over the rank's list, and
+    ``transient`` raised by what the step holds beyond them at its fullest (``sim.transient``: outputs not yet
+    freed, gradients in flight), so that the columns add up to the allocator's peak.
     """
     spec = load_spec(spec) if isinstance(spec, str) else spec
     device = device or DeviceModel(spec, Roofline(spec))
@@ -101,5 +103,6 @@ def predict(plan: Any, spec: HardwareSpec | str = "a100", device: DeviceModel | 
     result = simulate(lists, CommModel(spec, len(lists)), machine, record=record)
     memory = []
     for row, stats in zip(plan.memory_rows(), result.ranks, strict=True):
-        memory.append({**{key: row[key] for key in MEMORY_KEYS}, "activations": stats.peak_activation_bytes})
+        in_flight = max(stats.peak_live_bytes - stats.peak_activation_bytes, 0)
+        memory.append({**{key: row[key] for key in MEMORY_KEYS}, "activations": stats.peak_activation_bytes, "transient": row["transient"] + in_flight})
     return Prediction(result, memory, spec.name)

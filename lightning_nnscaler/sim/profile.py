@@ -131,18 +131,31 @@ def _tensors(value: object) -> list[torch.Tensor]:
     return []
 
 
+GPU_SAMPLE_SECONDS = 1e-3
+"""On a GPU, each sample times back-to-back calls lasting about this long, then one synchronization: in a
+training step kernels queue without waiting for each other, so a wait after every call (tens of
+microseconds) would be charged to every op."""
+
+
 def _seconds(run: Callable[[], object], device: str, min_seconds: float, max_repeats: int, statistic: Callable[[list[float]], float]) -> float:
     synchronize = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     run()
     synchronize()
+    calls = 1
+    if device.startswith("cuda"):
+        start = time.perf_counter()
+        run()
+        synchronize()
+        calls = max(1, min(100, int(GPU_SAMPLE_SECONDS / max(time.perf_counter() - start, 1e-7))))
     samples: list[float] = []
     total = 0.0
     while len(samples) < 3 or (total < min_seconds and len(samples) < max_repeats):
         start = time.perf_counter()
-        run()
+        for _ in range(calls):
+            run()
         synchronize()
-        samples.append(time.perf_counter() - start)
-        total += samples[-1]
+        samples.append((time.perf_counter() - start) / calls)
+        total += samples[-1] * calls
     return statistic(samples)
 
 

@@ -60,17 +60,21 @@ class ListRun:
         tasks, stats, record = self.lists[rank], self.stats[rank], self.record
         messages, received, windows = self.messages, self.received, self.windows
         index, clock, count = self.cursor[rank], self.clock[rank], len(tasks)
-        busy, live, peak = 0.0, self.live[rank], stats.peak_activation_bytes
+        busy, live, peak, peak_live = 0.0, self.live[rank], stats.peak_activation_bytes, stats.peak_live_bytes
         while index < count:
             task = tasks[index]
             kind = type(task)
             if kind is Compute:
                 end = clock + task.seconds
                 busy += task.seconds
+                if live + task.transient_bytes > peak_live:
+                    peak_live = live + task.transient_bytes
                 if task.activation_bytes:
                     live += task.activation_bytes
                     if live > peak:
                         peak = live
+                    if live > peak_live:
+                        peak_live = live
                 if record:
                     self.spans[rank].append(Span(task.kind, clock, end, task.label))
                 clock = end
@@ -111,7 +115,7 @@ class ListRun:
             index += 1
         self.cursor[rank], self.clock[rank], self.live[rank] = index, clock, live
         stats.busy += busy
-        stats.peak_activation_bytes = peak
+        stats.peak_activation_bytes, stats.peak_live_bytes = peak, peak_live
         if index == count:
             stats.end = clock
 

@@ -32,13 +32,15 @@ class Machine:
 
 @dataclass
 class RankStats:
-    """Seconds a rank spent busy (compute), communicating and idle, and its live-activation peak in bytes."""
+    """Seconds a rank spent busy (compute), communicating and idle; its peak of activations kept for backward, and
+    its peak of everything the schedule holds (kept activations, outputs not yet freed, gradients in flight), in bytes."""
 
     busy: float = 0.0
     communication: float = 0.0
     idle: float = 0.0
     end: float = 0.0
     peak_activation_bytes: int = 0
+    peak_live_bytes: int = 0
 
 
 @dataclass

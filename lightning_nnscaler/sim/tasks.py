@@ -8,7 +8,8 @@ the k-th send to it, as gloo and NCCL pair point-to-point operations in posting 
 member and starts when the last member reaches it (``blocking=False``: the rank posts it on its
 communication stream and goes on; ``WaitCollectives`` blocks until every collective it posted has
 ended). ``Compute.activation_bytes`` is what the task adds to (F) or frees from (B) the rank's
-live activations, for the memory peak over the schedule.
+live activations, for the memory peak over the schedule; ``Compute.transient_bytes`` the most it holds
+above the live bytes it started from while it runs (outputs not yet freed, gradients in flight).
 
 Tasks are named tuples: a 1024-rank step has millions of them, and a tuple is built several times faster
 than a frozen dataclass.
@@ -29,6 +30,7 @@ class Compute(NamedTuple):
     kind: str = "forward"
     label: str = ""
     activation_bytes: int = 0
+    transient_bytes: int = 0
 
 
 class Send(NamedTuple):

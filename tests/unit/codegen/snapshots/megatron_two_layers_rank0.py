@@ -43,11 +43,15 @@ def stage0_microbatch0(held, shared, received, communicator, token):
     p_module_second_bias = held['p_module_second_bias']  # (4,)
     linear = aten.linear.default(args_0, p_module_first_weight, p_module_first_bias)  # linear.0: (4, 4)
     relu = aten.relu.default(linear)  # relu.0: (4, 4)
+    del linear
     linear_1 = aten.linear.default(relu, p_module_second_weight, p_module_second_bias)  # linear_1.0: (4, 4)
+    del relu
     token = comm.send(token, linear_1, 1, 2, communicator)
     linear_1_from_1, token = comm.recv(token, (4, 4), torch.float32, 1, 1, communicator)
     linear_1_assembled = assemble((4, 4), torch.float32, [(linear_1, (slice(0, 4), slice(0, 4))), (linear_1_from_1, (slice(0, 4), slice(0, 4)))])  # %linear_1
+    del linear_1, linear_1_from_1
     sum_1 = aten.sum.default(linear_1_assembled)  # sum_1.0: ()
+    del linear_1_assembled
     return {}, {'sum_1': sum_1}, token
 
 
