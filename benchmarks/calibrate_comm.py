@@ -44,7 +44,7 @@ from lightning_nnscaler.models.gpt import GPT, GPTConfig
 from lightning_nnscaler.runtime import TorchDistributedCommunicator
 from lightning_nnscaler.runtime.executor import RankExecutor
 from lightning_nnscaler.materialize.program import Compute
-from lightning_nnscaler.sim.calibrate import fit_alpha_beta, fit_roofline, measure_compute
+from lightning_nnscaler.sim.calibrate import RooflineFit, fit_alpha_beta, fit_roofline, measure_compute
 from lightning_nnscaler.sim.costs import Roofline, ring_bytes
 from lightning_nnscaler.runtime.logged_comm import Event, LoggedCommunicator
 from lightning_nnscaler.sim.in_step import (
@@ -225,7 +225,7 @@ def print_residuals(spec: HardwareSpec, plans: list[tuple[int, lnn.Plan]], media
     print(f"calibration plans: mean absolute error {statistics.fmean(errors):.1%}")
 
 
-def roofline_fit(spec: HardwareSpec, plans: list[tuple[int, lnn.Plan]]) -> tuple[float, float]:
+def roofline_fit(spec: HardwareSpec, plans: list[tuple[int, lnn.Plan]]) -> RooflineFit:
     """Per-op overhead and efficiency of the roofline fitted to every op of every rank of ``plans``, each timed
     alone in this process (``sim.profile``, fastest repeats; ``sim.calibrate.fit_roofline``)."""
     with tempfile.TemporaryDirectory(prefix="lnn-profile-") as folder:
@@ -269,8 +269,8 @@ def calibrate(output: Path) -> None:
     for kind, by_size in measured.fits.items():
         for world_size, (alpha, beta) in by_size.items():
             collectives.setdefault(kind, {})[world_size] = [alpha, beta]
-    overhead, efficiency = roofline_fit(spec_from_dict(spec, "measured"), plans)
-    spec.update(op_overhead_s=overhead, matmul_efficiency=efficiency, memory_efficiency=efficiency, busy_issue_s=measured.busy_issue,
+    fitted = roofline_fit(spec_from_dict(spec, "measured"), plans)
+    spec.update(op_overhead_s=fitted.overhead, matmul_efficiency=fitted.matmul_efficiency, memory_efficiency=fitted.memory_efficiency, busy_issue_s=measured.busy_issue,
                 late_receive_s=measured.late_receive, in_step_factor=measured.factor)
     for kind, by_size in collectives.items():
         for world_size, (alpha, beta) in sorted(by_size.items()):
@@ -279,7 +279,8 @@ def calibrate(output: Path) -> None:
     late = ", ".join(f"{seconds * 1e6:.0f} us at {ranks} ranks" for ranks, seconds in sorted(measured.late_receive.items()))
     print(f"issuing while the other cores compute holds a rank {measured.busy_issue * 1e6:.1f} us on average; a receive posted after its "
           f"message was sent takes {late or 'nothing measured'}; in a step a rank computes {measured.factor:.2f}x as long as its ops "
-          f"timed alone; roofline fitted to those ops: {overhead * 1e6:.1f} us per op, {efficiency:.2f} of the peak rates")
+          f"timed alone; roofline fitted to those ops: {fitted.overhead * 1e6:.1f} us per op, {fitted.matmul_efficiency:.2f} of the peak "
+          f"FLOP/s in matmuls, {fitted.memory_efficiency:.2f} of the bandwidth elsewhere")
     print_residuals(spec_from_dict(spec, "calibrated"), plans, measured.median_steps)
     header = "# Measured by benchmarks/calibrate_comm.py (torch %s): compute in one thread, gloo over loopback.\n" % torch.__version__
     output.write_text(header + yaml.safe_dump(spec, sort_keys=False))

@@ -113,8 +113,8 @@ def check_step(config: GPTConfig, dtype: torch.dtype, spec: HardwareSpec, device
     with tempfile.TemporaryDirectory(prefix="lnn-profile-") as folder:
         profiled = Profiled(ProfileDB.open(device, directory=Path(folder)), Roofline(spec), device=device)
         ops = [action.op for action in plan.program.ranks[0].actions if isinstance(action, Compute)]
-        overhead, efficiency = fit_roofline(spec, ops, [profiled.op_time(op) for op in ops])
-        calibrated = replace(spec, op_overhead_s=overhead, matmul_efficiency=efficiency, memory_efficiency=efficiency)
+        fitted = fit_roofline(spec, ops, [profiled.op_time(op) for op in ops])
+        calibrated = replace(spec, op_overhead_s=fitted.overhead, matmul_efficiency=fitted.matmul_efficiency, memory_efficiency=fitted.memory_efficiency)
         predictions = {
             "shipped roofline": predict(plan, spec),
             "calibrated roofline": predict(plan, calibrated),
@@ -125,7 +125,8 @@ def check_step(config: GPTConfig, dtype: torch.dtype, spec: HardwareSpec, device
     rows = [(f"{name}, {how}", prediction.step_seconds, seconds) for how, prediction in predictions.items()]
     predicted_peak = max(predictions["shipped roofline"].peak_bytes)
     memory = f"peak memory predicted {predicted_peak / 2**20:.0f} MiB, measured {peak / 2**20:.0f} MiB ({predicted_peak / peak:.3f})" if peak else ""
-    print(f"{name}: {len(ops)} ops; roofline fitted to them: {overhead * 1e6:.1f} us per op, {efficiency:.3f} of the peak rates; {memory}")
+    print(f"{name}: {len(ops)} ops; roofline fitted to their kernels: {fitted.overhead * 1e6:.1f} us per op, matmul efficiency "
+          f"{fitted.matmul_efficiency:.3f}, memory efficiency {fitted.memory_efficiency:.3f}; {memory}")
     return rows, calibrated
 
 

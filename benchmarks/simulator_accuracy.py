@@ -10,9 +10,11 @@ the fastest. The noise floor compares the measurement with itself: each plan's s
 against the odd rounds', with the same two figures the goals ask of the prediction (mean absolute
 difference, Kendall τ).
 
-Measured peak memory per rank: the bytes of the tensors the rank holds (parameter pieces, their
-gradients, the optimizer's state; under ZeRO-3 also the boxes gathered for the step) plus the peak
-of saved-for-backward activations during a step (``saved_tensors_hooks``, as ``benchmarks/pipeline.py``). Predicted: ``sim.predict`` with the
+Measured peak memory per rank: the bytes of the tensors the rank holds between steps (parameter pieces,
+the reducer's gradient buckets, the optimizer's state; gradients are set to None first, as Lightning's
+``zero_grad`` does) plus the most the allocator hands out at once during a step (``sim.meter.AllocationMeter``:
+saved activations, outputs not yet freed, gradients in flight, ZeRO's gathered boxes). Predicted: the
+sum of ``sim.predict``'s memory columns for the rank. Predicted step time: ``sim.predict`` with the
 ``cpu`` spec (``benchmarks/calibrate_comm.py``) and op times measured in one thread into a fresh
 profile folder for the run. Nothing is fitted to these plans: the spec's communication figures come from
 steps of a separate calibration GPT (other widths, vocab and length; ``calibrate_comm.py``).
@@ -53,7 +55,7 @@ from lightning_nnscaler.runtime import TorchDistributedCommunicator
 from lightning_nnscaler.runtime.executor import RankExecutor
 from lightning_nnscaler.sim import CommModel, DeviceModel, Machine, Roofline, load_spec, predict, simulate
 from lightning_nnscaler.sim.analytic import TransformerShape, transformer_task_lists
-from lightning_nnscaler.sim.meter import AllocationMeter, SavedMeter
+from lightning_nnscaler.sim.meter import AllocationMeter
 from lightning_nnscaler.sim.profile import ProfileDB, Profiled
 
 from calibrate_comm import calibrate  # noqa: E402 - benchmarks/ is on sys.path
@@ -130,41 +132,16 @@ def rank_main(rank: int, world_size: int, payload: Payload) -> dict[str, Any]:
     """Warm-up, timed steps, and one metered step of the plan on this rank."""
     executor, optimizer, step = timed_plan(rank, payload)
     times = [step() for _ in range(payload.steps)]
-    meter = StepMeter(executor)
-    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-        step()
     optimizer.zero_grad(set_to_none=True)  # the step's own zero_grad would free blocks allocated before the meter, which it cannot see
     held = held_bytes(executor, optimizer)
     with AllocationMeter() as allocated:
         step()
-    return {"times": times, "memory": held + gathered_bytes(executor) + meter.peak, "allocated": held + allocated.peak}
-
-
-class StepMeter(SavedMeter):
-    """Saved activations of a step, leaving out what the rank holds anyway: its held pieces, and under ZeRO-3
-    the boxes gathered for the step (fresh storages each step, counted once by ``gathered_bytes``)."""
-
-    def __init__(self, executor: RankExecutor) -> None:
-        super().__init__({tensor.untyped_storage().data_ptr() for tensor in executor.held.values() if tensor.numel()})
-        self.boxes = [owned.box for owned in executor.reducer.owned] if executor.reducer.zero_stage == 3 else []
-
-    def pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """As ``SavedMeter.pack``, a gathered box's storage not counted."""
-        if any(box.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr() for box in self.boxes):
-            return tensor, None
-        return super().pack(tensor)
-
-
-def gathered_bytes(executor: RankExecutor) -> int:
-    """ZeRO-3: bytes of the full boxes gathered before the forward and kept through backward (0 otherwise)."""
-    if executor.reducer.zero_stage != 3:
-        return 0
-    return sum(owned.numel * owned.box.element_size() for owned in executor.reducer.owned)
+    return {"times": times, "memory": held + allocated.peak}
 
 
 def held_bytes(executor: RankExecutor, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the distinct storages a rank holds between steps: parameter pieces (ZeRO chunks), gradients (the
-    reducer's bucket buffer under stage 0, of which replicated gradients are views), the optimizer's state."""
+    """Bytes of the distinct storages a rank holds between steps: parameter pieces (ZeRO chunks), gradients still
+    set (the reducer's bucket buffers under stage 0, of which replicated gradients are views), the optimizer's state."""
     tensors = [shard.tensor for shard in executor.shards.values()]
     tensors += [tensor.grad for tensor in [*tensors, *executor.parameters()] if isinstance(tensor, torch.nn.Parameter) and tensor.grad is not None]
     tensors += executor.parameters()
@@ -247,11 +224,8 @@ def main() -> None:
         prediction = predict(plan, spec, device)
         payload = Payload(model_name, plan.sources, dict(plan.graph.constant_values), [t.name for t in plan.graph.user_inputs],
                           [plan.input_offsets(rank) for rank in range(world_size)], args.steps)
-        # transient is ZeRO's full gradients (not metered: left out here too) and, stage 3, the gathered boxes (metered)
-        gathered = [row["transient"] // 2 if plan.zero_stage == 3 else 0 for row in prediction.memory]
-        comparable = [peak - row["transient"] + box for peak, row, box in zip(prediction.peak_bytes, prediction.memory, gathered, strict=True)]
         rows.append({"name": name, "payload": payload,
-                     "world": world_size, "predicted": prediction.step_seconds, "predicted_memory": comparable, "rounds": []})
+                     "world": world_size, "predicted": prediction.step_seconds, "predicted_memory": prediction.peak_bytes, "rounds": []})
         print(f"planned {rows[-1]['name']}: predicted {prediction.step_seconds * 1e3:.1f} ms", flush=True)
     for round_index in range(args.rounds):
         for row in rows:

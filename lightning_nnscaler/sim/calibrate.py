@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 from dataclasses import replace
 
 import numpy as np
 import torch
 
 from lightning_nnscaler.ir.op import Op
-from lightning_nnscaler.sim.costs import VIEWS, OpTime, op_work, roofline_seconds
+from lightning_nnscaler.sim.costs import VIEWS, OpTime, op_work
 from lightning_nnscaler.sim.specs import HardwareSpec
 
 
@@ -69,14 +70,26 @@ def _adamw_fit() -> tuple[float, float]:
     return per_tensor, per_element
 
 
-def fit_roofline(spec: HardwareSpec, ops: Sequence[Op], measured: Sequence[OpTime]) -> tuple[float, float]:
-    """The per-op overhead and the efficiency (one share of peak FLOP/s and bandwidth) that make ``spec``'s
-    roofline best match ``measured`` times of ``ops`` (forward, and backward at twice the work), by least
-    squares on the seconds (what a step adds up); view-like ops, which move nothing, are left out.
+class RooflineFit(NamedTuple):
+    """What ``fit_roofline`` finds: the per-op overhead and the shares of the peak rates reached."""
+
+    overhead: float
+    matmul_efficiency: float
+    memory_efficiency: float
+
+
+def fit_roofline(spec: HardwareSpec, ops: Sequence[Op], measured: Sequence[OpTime]) -> RooflineFit:
+    """The per-op overhead, matmul efficiency (share of peak FLOP/s) and memory efficiency (share of bandwidth)
+    that make ``spec``'s roofline best match ``measured`` times of ``ops`` (forward, and backward at twice the
+    work), by least squares on the seconds (what a step adds up); view-like ops, which move nothing, are left out.
+
+    Each op counts toward the rate that bounds it at the peak rates (a matmul's FLOPs, or bytes); an efficiency
+    no op is bound by stays ``spec``'s. One figure for both would misprice a GPU, where large matmuls reach
+    about 0.7 of peak while small elementwise kernels reach far less of the bandwidth.
 
     A bare one-element add gives the dispatch alone; an op inside a model also allocates its output, records
     autograd's node, and runs at small shapes below the peak rates of a large matmul: the roofline priced
-    with those two figures misses per-rank op costs of a small model by a third here, and more for plans with
+    with those figures misses per-rank op costs of a small model by a third here, and more for plans with
     more, smaller ops (an interleaved pipeline's), which is what ranks plans wrongly.
     """
     alone = replace(spec, op_overhead_s=0.0, matmul_efficiency=1.0, memory_efficiency=1.0)
@@ -85,10 +98,18 @@ def fit_roofline(spec: HardwareSpec, ops: Sequence[Op], measured: Sequence[OpTim
         if op.target in VIEWS:
             continue
         work = op_work(op)
-        work_seconds = roofline_seconds(alone, work.flops, work.nbytes, work.dtype, work.matmul)
+        compute = work.flops / alone.flops(work.dtype)
+        memory = work.nbytes / alone.memory_bandwidth
+        matmul_bound = work.matmul and compute >= memory
         for multiple, seconds in ((1.0, times.forward), (2.0, times.backward if work.has_backward else 0.0)):
             if seconds > 0:
-                rows.append((1.0, multiple * work_seconds))
+                rows.append((1.0, multiple * compute if matmul_bound else 0.0, 0.0 if matmul_bound else multiple * max(compute, memory)))
                 targets.append(seconds)
-    (overhead, slowdown), *_ = np.linalg.lstsq(np.asarray(rows), np.asarray(targets), rcond=None)
-    return max(float(overhead), 0.0), 1.0 / max(float(slowdown), 1e-3)
+    matrix, target = np.asarray(rows), np.asarray(targets)
+    used = [column for column in (1, 2) if matrix[:, column].any()]
+    (overhead, *slowdowns), *_ = np.linalg.lstsq(matrix[:, [0, *used]], target, rcond=None)
+    if overhead < 0:  # no fixed cost: fit the rates alone
+        overhead, (slowdowns, *_) = 0.0, np.linalg.lstsq(matrix[:, used], target, rcond=None)
+    efficiency = {1: spec.matmul_efficiency, 2: spec.memory_efficiency}
+    efficiency.update({column: 1.0 / max(float(slowdown), 1e-3) for column, slowdown in zip(used, slowdowns)})
+    return RooflineFit(max(float(overhead), 0.0), efficiency[1], efficiency[2])

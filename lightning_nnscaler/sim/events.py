@@ -117,10 +117,11 @@ class EventRun:
     def start_compute(self, rank: int, task: Compute) -> None:
         self.state[rank] = _COMPUTING
         stats = self.stats[rank]
-        stats.peak_live_bytes = max(stats.peak_live_bytes, self.live[rank] + task.transient_bytes)
+        stats.note_live(self.live[rank] + stats.gradient_bytes + task.transient_bytes)
         self.live[rank] += task.activation_bytes
+        stats.gradient_bytes += task.gradient_bytes  # made while the task frees its activations: counted after it
         stats.peak_activation_bytes = max(stats.peak_activation_bytes, self.live[rank])
-        stats.peak_live_bytes = max(stats.peak_live_bytes, self.live[rank])
+        stats.note_live(self.live[rank] + stats.gradient_bytes)
         self.started[rank] = self.now
         if not self.shared:
             self.version[rank] += 1

@@ -54,6 +54,10 @@ class _Chunk:
     """Most bytes its backward holds beyond what was live before it, its kept bytes still counted."""
     ops: list[OpMemory] = field(default_factory=list)
 
+    def gradient_vars(self) -> dict[str, int]:
+        """Bytes of each trainable parameter piece's gradient its backward makes."""
+        return {var: nbytes for op in self.ops for var, nbytes, parameter, _ in op.input_grads if parameter}
+
 
 @dataclass
 class _Segment:
@@ -95,6 +99,7 @@ class TaskBuilder:
     def rank_tasks(self, rank: int) -> list[Task]:
         """Rank ``rank``'s tasks: gathers, forward and backward (or the schedule), reduction, optimizer step."""
         segments = self._segments(rank)
+        self._made = set(self._bucketed(rank))  # gradients held all along: the reducer's buckets
         tasks: list[Task] = []
         if self.plan.zero_stage == 3:
             tasks += [CollectiveTask("all_gather", ranks, nbytes, "zero3 gather") for ranks, nbytes in _zero_buckets(self._replicated(rank))]
@@ -163,13 +168,26 @@ class TaskBuilder:
                 tasks.append(CollectiveTask(item.kind, tuple(sorted(item.ranks)), item.bytes_per_device))
         return tasks
 
+    def _bucketed(self, rank: int) -> list[str]:
+        """The rank's parameter pieces whose gradients live in the reducer's buckets (replicated, no ZeRO), not made by backward."""
+        if self.plan.zero_stage:
+            return []
+        replicated = {group.name for group in self.program.gradient_groups if rank in group.ranks and len(group.ranks) > 1}
+        return [local.var for local in self.program.ranks[rank].inputs if local.role == "parameter" and local.name in replicated]
+
+    def _new_gradients(self, chunk: _Chunk) -> int:
+        """Bytes of the gradients ``chunk``'s backward makes that no earlier backward of the step made (they live on)."""
+        fresh = {var: nbytes for var, nbytes in chunk.gradient_vars().items() if var not in self._made}
+        self._made.update(fresh)
+        return sum(fresh.values())
+
     def _backward(self, segment: _Segment, rank: int, share: float, release: bool = True, label: str = "") -> list[Task]:
         tasks: list[Task] = []
         for item in reversed(segment.items):
             if isinstance(item, _Chunk):
                 if item.backward:
                     tasks.append(Compute(item.backward * share + item.recompute, "backward", label, activation_bytes=-item.kept if release else 0,
-                                         transient_bytes=item.backward_peak))
+                                         transient_bytes=item.backward_peak, gradient_bytes=self._new_gradients(item)))
                 elif release and item.kept:
                     tasks.append(Compute(0.0, "backward", label, activation_bytes=-item.kept))
             elif isinstance(item, SendAction) and self._floating_message(rank, item.dst, item.tag):

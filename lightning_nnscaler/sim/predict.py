@@ -88,6 +88,23 @@ class Prediction:
         return "\n".join([*lines, self.summary()])
 
 
+def _at_the_peak(row: dict[str, int], stats: Any, zero_stage: int) -> dict[str, int]:
+    """``row`` (explain's, every gradient counted) as the rank is at its simulated fullest: activations their kept
+    peak; of the gradients the backward makes (``stats.gradient_bytes``: in explain's gradients, or under ZeRO the
+    full ones in its transient column) those made by then; what else is in flight added to ``transient``; under
+    ZeRO no reduced chunk's gradient (those come after backward, when its activations are gone)."""
+    made, held = stats.gradients_at_peak, stats.gradient_bytes
+    in_flight = max(stats.peak_live_bytes - stats.peak_activation_bytes - made, 0)
+    memory = {**{key: row[key] for key in MEMORY_KEYS}, "activations": stats.peak_activation_bytes}
+    if zero_stage:
+        memory["gradients"] = 0
+        memory["transient"] = max(row["transient"] - held, 0) + made + in_flight
+    else:
+        memory["gradients"] = max(row["gradients"] - held, 0) + made
+        memory["transient"] = row["transient"] + in_flight
+    return memory
+
+
 def predict(plan: Any, spec: HardwareSpec | str = "a100", device: DeviceModel | None = None, *, record: bool = False) -> Prediction:
     """Simulate one training step of ``plan`` on ``spec`` (default costs: its roofline).
 
@@ -103,6 +120,5 @@ def predict(plan: Any, spec: HardwareSpec | str = "a100", device: DeviceModel | 
     result = simulate(lists, CommModel(spec, len(lists)), machine, record=record)
     memory = []
     for row, stats in zip(plan.memory_rows(), result.ranks, strict=True):
-        in_flight = max(stats.peak_live_bytes - stats.peak_activation_bytes, 0)
-        memory.append({**{key: row[key] for key in MEMORY_KEYS}, "activations": stats.peak_activation_bytes, "transient": row["transient"] + in_flight})
+        memory.append(_at_the_peak(row, stats, plan.zero_stage))
     return Prediction(result, memory, spec.name)

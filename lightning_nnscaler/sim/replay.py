@@ -60,21 +60,23 @@ class ListRun:
         tasks, stats, record = self.lists[rank], self.stats[rank], self.record
         messages, received, windows = self.messages, self.received, self.windows
         index, clock, count = self.cursor[rank], self.clock[rank], len(tasks)
-        busy, live, peak, peak_live = 0.0, self.live[rank], stats.peak_activation_bytes, stats.peak_live_bytes
+        busy, live, peak = 0.0, self.live[rank], stats.peak_activation_bytes
+        peak_live, gradients, at_peak = stats.peak_live_bytes, stats.gradient_bytes, stats.gradients_at_peak
         while index < count:
             task = tasks[index]
             kind = type(task)
             if kind is Compute:
                 end = clock + task.seconds
                 busy += task.seconds
-                if live + task.transient_bytes > peak_live:
-                    peak_live = live + task.transient_bytes
+                if live + gradients + task.transient_bytes > peak_live:
+                    peak_live, at_peak = live + gradients + task.transient_bytes, gradients
+                gradients += task.gradient_bytes  # made while the task frees its activations: counted after it
                 if task.activation_bytes:
                     live += task.activation_bytes
                     if live > peak:
                         peak = live
-                    if live > peak_live:
-                        peak_live = live
+                if live + gradients > peak_live:
+                    peak_live, at_peak = live + gradients, gradients
                 if record:
                     self.spans[rank].append(Span(task.kind, clock, end, task.label))
                 clock = end
@@ -115,7 +117,7 @@ class ListRun:
             index += 1
         self.cursor[rank], self.clock[rank], self.live[rank] = index, clock, live
         stats.busy += busy
-        stats.peak_activation_bytes, stats.peak_live_bytes = peak, peak_live
+        stats.peak_activation_bytes, stats.peak_live_bytes, stats.gradient_bytes, stats.gradients_at_peak = peak, peak_live, gradients, at_peak
         if index == count:
             stats.end = clock
 

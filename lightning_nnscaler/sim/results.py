@@ -33,7 +33,8 @@ class Machine:
 @dataclass
 class RankStats:
     """Seconds a rank spent busy (compute), communicating and idle; its peak of activations kept for backward, and
-    its peak of everything the schedule holds (kept activations, outputs not yet freed, gradients in flight), in bytes."""
+    its peak of everything the schedule holds (kept activations, outputs not yet freed, gradients in flight,
+    parameter gradients made so far), in bytes."""
 
     busy: float = 0.0
     communication: float = 0.0
@@ -41,6 +42,15 @@ class RankStats:
     end: float = 0.0
     peak_activation_bytes: int = 0
     peak_live_bytes: int = 0
+    gradient_bytes: int = 0
+    """Parameter gradients the step's backward made (those not held all along in the reducer's buckets)."""
+    gradients_at_peak: int = 0
+    """How many of those existed when ``peak_live_bytes`` was reached."""
+
+    def note_live(self, nbytes: int) -> None:
+        """Raise ``peak_live_bytes`` to ``nbytes`` (with the gradients made so far) when it is higher."""
+        if nbytes > self.peak_live_bytes:
+            self.peak_live_bytes, self.gradients_at_peak = nbytes, self.gradient_bytes
 
 
 @dataclass

@@ -9,7 +9,8 @@ member and starts when the last member reaches it (``blocking=False``: the rank 
 communication stream and goes on; ``WaitCollectives`` blocks until every collective it posted has
 ended). ``Compute.activation_bytes`` is what the task adds to (F) or frees from (B) the rank's
 live activations, for the memory peak over the schedule; ``Compute.transient_bytes`` the most it holds
-above the live bytes it started from while it runs (outputs not yet freed, gradients in flight).
+above the live bytes it started from while it runs (outputs not yet freed, gradients in flight);
+``Compute.gradient_bytes`` the parameter gradients it makes that live to the step's end.
 
 Tasks are named tuples: a 1024-rank step has millions of them, and a tuple is built several times faster
 than a frozen dataclass.
@@ -31,6 +32,7 @@ class Compute(NamedTuple):
     label: str = ""
     activation_bytes: int = 0
     transient_bytes: int = 0
+    gradient_bytes: int = 0
 
 
 class Send(NamedTuple):

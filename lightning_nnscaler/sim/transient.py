@@ -30,6 +30,9 @@ class OpMemory:
     input_grads: tuple[tuple[str, int, bool, bool], ...]
     outputs: tuple[str, ...]
     internal: int = 0
+    fed: bool = False
+    """Whether an output gets its gradient from outside the rank's ops (it is sent, gathered, assembled, or the
+    seeded loss); else the op's backward runs only if a later op's backward made one of its outputs' gradients."""
 
 
 @dataclass
@@ -54,6 +57,8 @@ class TransientBytes:
         for output in self.program.outputs:
             self.last_read[output.var] = end
         self._held = {local.var for local in self.program.inputs}
+        self._fed = {var for action in actions if not isinstance(action, Compute) for var in reads(action)}
+        self._fed |= {output.var for output in self.program.outputs if output.seed}
 
     def follow(self, action: object) -> None:
         """Advance to ``action``: free the unkept storages whose last reader has run, add what it writes."""
@@ -97,18 +102,22 @@ class TransientBytes:
                 view = self.kept.root(var) in output_roots
                 grads.append((var, self.kept.nbytes.get(var, 0), parameter, view))
         internal = self.kept.internal.get(op.name, 0) if grads else 0
-        return OpMemory(kept_bytes, tuple(grads), tuple(action.output_vars), internal)
+        fed = any(var in self._fed for var in action.output_vars)
+        return OpMemory(kept_bytes, tuple(grads), tuple(action.output_vars), internal, fed)
 
 
 def backward_peaks(chunks: list[list[OpMemory]]) -> list[int]:
     """For one segment's chunks in forward order: per chunk, the most bytes its backward holds beyond what was
     live when it began (its kept activations still counted): the gradients alive at each op, less the kept
-    bytes already freed in the chunk. Gradients of a later chunk's inputs carry into the earlier chunk."""
+    bytes already freed in the chunk. Gradients of a later chunk's inputs carry into the earlier chunk. An op
+    runs backward when one of its outputs is ``fed`` or has a gradient made by a later op."""
     live: dict[str, int] = {}
     peaks = [0] * len(chunks)
     for position in reversed(range(len(chunks))):
         freed = peak = 0
         for op in reversed(chunks[position]):
+            if not op.fed and not any(var in live for var in op.outputs):
+                continue  # no gradient reaches it (a replica's copy of the loss that another rank seeds): its saved tensors wait for the step's end
             fresh = op.internal
             for var, nbytes, parameter, view in op.input_grads:
                 if parameter:

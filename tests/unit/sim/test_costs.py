@@ -18,6 +18,11 @@ def linear(tokens: int, inner: int, outer: int, dtype: str = "float32") -> Op:
     return Op("linear", "aten.linear.default", (x, w), outputs=(y,))
 
 
+def elementwise(target: str, shape: tuple[int, ...], dtype: str = "float32") -> Op:
+    a, b, out = (PTensor(name, shape, dtype).full() for name in ("a", "b", "out"))
+    return Op("elementwise", target, (a, b), outputs=(out,))
+
+
 def test_every_shipped_spec_loads_with_datasheet_figures() -> None:
     assert {"v100", "a100", "h100", "h200", "cpu"} <= set(available_specs())
     h100 = load_spec("h100")
@@ -73,22 +78,25 @@ def test_profile_keys_separate_shapes_and_dtypes_and_the_cache_round_trips(tmp_p
     assert again.op_time(linear(16, 32, 32)) == measured and again.misses == 0
 
 
-def test_the_fitted_roofline_recovers_the_overhead_and_efficiency_that_made_the_times() -> None:
+def test_the_fitted_roofline_recovers_the_overhead_and_the_two_efficiencies_that_made_the_times() -> None:
     from dataclasses import replace
 
     from lightning_nnscaler.sim.calibrate import fit_roofline
     from lightning_nnscaler.sim.costs import OpTime
 
-    spec = load_spec("cpu")
-    truth = replace(spec, op_overhead_s=12e-6, matmul_efficiency=0.8, memory_efficiency=0.8)
-    ops = [linear(tokens, inner, outer) for tokens in (8, 64, 512) for inner in (32, 256) for outer in (64, 1024)]
+    spec = load_spec("h100")
+    truth = replace(spec, op_overhead_s=12e-6, matmul_efficiency=0.7, memory_efficiency=0.4)
+    matmuls = [linear(tokens, inner, outer) for tokens in (2048, 4096) for inner in (2048, 4096) for outer in (1024, 8192)]
+    adds = [elementwise("aten.add.Tensor", (rows, 1024)) for rows in (64, 1024, 16384)]
+    ops = matmuls + adds
     times = [Roofline(truth).op_time(op) for op in ops]
-    overhead, efficiency = fit_roofline(spec, ops, times)
-    assert overhead == pytest.approx(12e-6, rel=1e-6) and efficiency == pytest.approx(0.8, rel=1e-6)
-    fitted = replace(spec, op_overhead_s=overhead, matmul_efficiency=efficiency, memory_efficiency=efficiency)
-    fitted_times = [Roofline(fitted).op_time(op) for op in ops]
-    flat = [seconds for time in fitted_times for seconds in (time.forward, time.backward)]
+    fitted = fit_roofline(spec, ops, times)
+    assert fitted == pytest.approx((12e-6, 0.7, 0.4), rel=1e-6)
+    model = replace(spec, op_overhead_s=fitted.overhead, matmul_efficiency=fitted.matmul_efficiency, memory_efficiency=fitted.memory_efficiency)
+    flat = [seconds for time in (Roofline(model).op_time(op) for op in ops) for seconds in (time.forward, time.backward)]
     assert flat == pytest.approx([seconds for time in times for seconds in (time.forward, time.backward)])
     # a view moves nothing: its measured time, however large, is not fitted
     view = Op("view", "aten.view.default", (PTensor("a", (4, 4)).full(),), outputs=(PTensor("b", (16,)).full(),))
-    assert fit_roofline(spec, [*ops, view], [*times, OpTime(1.0, 1.0)]) == pytest.approx((overhead, efficiency))
+    assert fit_roofline(spec, [*ops, view], [*times, OpTime(1.0, 1.0)]) == pytest.approx(fitted)
+    # an efficiency no op is bound by stays the spec's
+    assert fit_roofline(spec, adds, times[len(matmuls):]).matmul_efficiency == spec.matmul_efficiency
