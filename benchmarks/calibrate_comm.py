@@ -152,6 +152,7 @@ def logged_steps(rank: int, world_size: int, width: int, sources: list[str], con
         communicator.events = []
         dist.barrier()
         start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)  # as Lightning's loop (and benchmarks/simulator_accuracy.py) does each step
         executor.forward_backward(inputs)
         optimizer.step()
         executor.after_optimizer_step()

@@ -88,6 +88,8 @@ class TaskBuilder:
         }
         self.element_bytes = {tensor.name: dtype_bytes(tensor.dtype) for tensor in plan.graph.parameters}
         self.trained = {tensor.name for tensor in plan.graph.parameters if tensor.requires_grad}
+        self._made: set[str] = set()
+        """Parameter pieces whose gradients exist so far in the rank's step being built."""
 
     def _trains(self, name: str) -> bool:
         return name in self.trained
@@ -122,7 +124,7 @@ class TaskBuilder:
             segment = segments.setdefault(action.segment, _Segment())
             kept.follow(action)
             if not isinstance(action, ComputeAction):
-                transient.follow(action)
+                transient.follow(action)  # a compute is followed once KeptBytes found which outputs view inputs
             if isinstance(action, ComputeAction):
                 chunk = segment.items[-1] if segment.items and isinstance(segment.items[-1], _Chunk) else None
                 if chunk is None:
