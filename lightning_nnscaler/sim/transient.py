@@ -44,7 +44,6 @@ class TransientBytes:
     kept: KeptBytes
     last_read: dict[str, int] = field(default_factory=dict)
     index: int = -1
-    _segment_of: dict[str, Hashable] = field(default_factory=dict)
     _end: dict[str, int] = field(default_factory=dict)
     _unkept: dict[Hashable, dict[str, int]] = field(default_factory=dict)
 
@@ -72,7 +71,6 @@ class TransientBytes:
             self._end[root] = max(self._end.get(root, -1), self.last_read.get(var, self.index))
             if root != var or root in self._held or root in self.kept.uncounted:
                 continue
-            self._segment_of[root] = segment
             self._unkept.setdefault(segment, {})[root] = 0  # sized in forward_bytes, once KeptBytes knows it
 
     def forward_bytes(self, action: Compute) -> int:
