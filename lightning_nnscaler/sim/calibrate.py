@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 import torch

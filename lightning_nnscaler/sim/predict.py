@@ -9,6 +9,7 @@ from lightning_nnscaler.explain import MEMORY_KEYS, human_bytes
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.sim.costs import CommModel, ComputeModel, OpTime, Roofline
 from lightning_nnscaler.sim.from_plan import plan_task_lists
+from lightning_nnscaler.sim.results import RankStats
 from lightning_nnscaler.sim.simulate import Machine, SimResult, simulate
 from lightning_nnscaler.sim.specs import HardwareSpec, load_spec
 
@@ -88,7 +89,7 @@ class Prediction:
         return "\n".join([*lines, self.summary()])
 
 
-def _at_the_peak(row: dict[str, int], stats: Any, zero_stage: int) -> dict[str, int]:
+def _at_the_peak(row: dict[str, int], stats: RankStats, zero_stage: int) -> dict[str, int]:
     """``row`` (explain's, every gradient counted) as the rank is at its simulated fullest: activations their kept
     peak; of the gradients the backward makes (``stats.gradient_bytes``: in explain's gradients, or under ZeRO the
     full ones in its transient column) those made by then; what else is in flight added to ``transient``; under
