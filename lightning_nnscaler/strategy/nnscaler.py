@@ -78,7 +78,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -107,7 +107,7 @@ from lightning_nnscaler.strategy.step_timing import PredictedStep, StepTimer, pr
 from lightning_nnscaler.plans.layout import RecipeLayout
 from lightning_nnscaler.strategy.planning import (
     batch_signature, check_fits, check_new_signature, check_recipe, check_supported, gather_replica_batch, graph_inputs,
-    plan_training_step, reads_other_rows, share_pieces,
+    plan_training_step, random_masks_notice, reads_other_rows, share_pieces,
 )
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -358,6 +358,9 @@ class NnScalerStrategy(ParallelStrategy):
             self._plans_by_shape[signature] = (plan, self.executor)
             rank_zero_info(f"NnScalerStrategy: plan {len(self._plans_by_shape)} for batch shapes {list(signature)} ({plan.plan_hash[:12]})")
             return
+        notice = random_masks_notice(plan)
+        if notice:
+            rank_zero_warn(notice)
         state = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
         communicator = TorchDistributedCommunicator(timeout=self.timeout)
         self.executor = RankExecutor(

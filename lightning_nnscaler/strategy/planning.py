@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_nnscaler.capture import CaptureError, flatten_inputs
 from lightning_nnscaler.codegen import CodegenError
+from lightning_nnscaler.ir.randomness import RANDOM_LIKE_OP, RANDOM_OP
 from lightning_nnscaler.ir.validate import PlanError
 from lightning_nnscaler.parallelize import Plan, parallelize
 from lightning_nnscaler.plans.catalog import RecipeError, load_recipe
@@ -276,3 +277,15 @@ def gather_replica_batch(
         rows = whole.shape[0] // replicas
         gathered[name] = whole[replica * rows : (replica + 1) * rows]
     return gathered
+
+
+def random_masks_notice(plan: Plan) -> str | None:
+    """What a user switching from ddp must know when the step draws random masks (dropout, stochastic depth);
+    None when it draws none."""
+    drawing = sorted({op.origin or op.name for op in plan.graph.ops if op.target in (RANDOM_OP, RANDOM_LIKE_OP)})
+    if not drawing:
+        return None
+    shown = ", ".join(drawing[:3]) + (f" and {len(drawing) - 3} more" if len(drawing) > 3 else "")
+    return (f"NnScalerStrategy: the step draws random masks ({shown}) from lightning-nnscaler's own generator: "
+            "every plan draws the same masks for a seed and step, but not the ones torch's generator gives "
+            "strategy='ddp' or one device, so losses match those runs only in distribution")

@@ -152,3 +152,14 @@ def test_eval_mode_keeps_dropout_off() -> None:
             assert torch.equal(model.compute_loss(batch), model.compute_loss(batch))
     finally:
         model.train()
+
+
+def test_a_plan_that_draws_masks_tells_a_user_switching_from_ddp_and_one_without_says_nothing() -> None:
+    from lightning_nnscaler.strategy.planning import random_masks_notice
+
+    model, batch = dropout_gpt()
+    notice = random_masks_notice(lnn.parallelize(model, batch, "dp", 2, step="training_step"))
+    assert notice is not None and "strategy='ddp'" in notice and "dropout" in notice and "more" in notice
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(vocab_size=64, seq_len=16, hidden=64, layers=1, heads=16))
+    assert random_masks_notice(lnn.parallelize(plain, plain.example_batch(8, torch.Generator().manual_seed(0)), "dp", 2, step="training_step")) is None
