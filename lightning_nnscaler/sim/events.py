@@ -164,6 +164,7 @@ class EventRun:
     # --- point to point ------------------------------------------------------------------------------
 
     def post(self, rank: int, task: Send) -> None:
+        self.stats[rank].sent_bytes += task.nbytes
         channel = (rank, task.peer)
         number = self.sent.get(channel, 0)
         self.sent[channel] = number + 1

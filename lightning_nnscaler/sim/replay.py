@@ -62,25 +62,27 @@ class ListRun:
         index, clock, count = self.cursor[rank], self.clock[rank], len(tasks)
         busy, live, peak = 0.0, self.live[rank], stats.peak_activation_bytes
         peak_live, gradients, at_peak = stats.peak_live_bytes, stats.gradient_bytes, stats.gradients_at_peak
+        sent = stats.sent_bytes
         while index < count:
             task = tasks[index]
             kind = type(task)
             if kind is Compute:
                 end = clock + task.seconds
                 busy += task.seconds
-                if live + gradients + task.transient_bytes > peak_live:
-                    peak_live, at_peak = live + gradients + task.transient_bytes, gradients
+                if live + gradients + sent + task.transient_bytes > peak_live:
+                    peak_live, at_peak = live + gradients + sent + task.transient_bytes, gradients
                 gradients += task.gradient_bytes  # made while the task frees its activations: counted after it
                 if task.activation_bytes:
                     live += task.activation_bytes
                     if live > peak:
                         peak = live
-                if live + gradients > peak_live:
-                    peak_live, at_peak = live + gradients, gradients
+                if live + gradients + sent > peak_live:
+                    peak_live, at_peak = live + gradients + sent, gradients
                 if record:
                     self.spans[rank].append(Span(task.kind, clock, end, task.label))
                 clock = end
             elif kind is Send:
+                sent += task.nbytes
                 self._post(rank, task, clock)
             elif kind is Recv:
                 channel = (task.peer, rank)
@@ -117,7 +119,7 @@ class ListRun:
             index += 1
         self.cursor[rank], self.clock[rank], self.live[rank] = index, clock, live
         stats.busy += busy
-        stats.peak_activation_bytes, stats.peak_live_bytes, stats.gradient_bytes, stats.gradients_at_peak = peak, peak_live, gradients, at_peak
+        stats.peak_activation_bytes, stats.peak_live_bytes, stats.gradient_bytes, stats.gradients_at_peak, stats.sent_bytes = peak, peak_live, gradients, at_peak, sent
         if index == count:
             stats.end = clock
 

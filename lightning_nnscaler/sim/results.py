@@ -46,9 +46,14 @@ class RankStats:
     """Parameter gradients the step's backward made (those not held all along in the reducer's buckets)."""
     gradients_at_peak: int = 0
     """How many of those existed when ``peak_live_bytes`` was reached."""
+    sent_bytes: int = 0
+    """Copies of the messages the rank sent so far: the runtime keeps each until it waits for its sends, once,
+    at the step's end (``runtime.comm``), so they count towards the peak like the gradients made."""
 
     def note_live(self, nbytes: int) -> None:
-        """Raise ``peak_live_bytes`` to ``nbytes`` (with the gradients made so far) when it is higher."""
+        """Raise ``peak_live_bytes`` to ``nbytes`` plus the messages sent so far when it is higher (and note the
+        gradients made by then)."""
+        nbytes += self.sent_bytes
         if nbytes > self.peak_live_bytes:
             self.peak_live_bytes, self.gradients_at_peak = nbytes, self.gradient_bytes
 

@@ -10,7 +10,9 @@ communication stream and goes on; ``WaitCollectives`` blocks until every collect
 ended). ``Compute.activation_bytes`` is what the task adds to (F) or frees from (B) the rank's
 live activations, for the memory peak over the schedule; ``Compute.transient_bytes`` the most it holds
 above the live bytes it started from while it runs (outputs not yet freed, gradients in flight);
-``Compute.gradient_bytes`` the parameter gradients it makes that live to the step's end.
+``Compute.gradient_bytes`` the parameter gradients it makes that live to the step's end. A ``Send``'s bytes
+count towards its sender's memory from the send to the step's end: the runtime sends a copy and waits for its
+sends once, after backward (``runtime.comm``).
 
 Tasks are named tuples: a 1024-rank step has millions of them, and a tuple is built several times faster
 than a frozen dataclass.

@@ -12,10 +12,11 @@ of the output's). What an op allocates inside its kernels is not counted.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from lightning_nnscaler.ir.tensor import FLOATING
+from lightning_nnscaler.ir.tensor import FLOATING, VTensor, dtype_bytes
 from lightning_nnscaler.materialize.kept import KeptBytes
 from lightning_nnscaler.materialize.program import Compute, RankProgram, reads, writes
 
@@ -23,7 +24,8 @@ from lightning_nnscaler.materialize.program import Compute, RankProgram, reads, 
 @dataclass(frozen=True)
 class OpMemory:
     """What one op's backward touches: its kept bytes, the gradients it makes (by input variable: bytes,
-    whether a trainable parameter's, whether a view of an output's gradient), the outputs it consumes, and
+    whether a trainable parameter's, whether a view of an output's gradient; an input that slices a held
+    parameter piece, as a co-shard does, is that piece, whose whole gradient the slice's backward makes), the outputs it consumes, and
     the gradients of its internal saved tensors (a fused loss's log-probabilities), alive only inside it."""
 
     kept: int
@@ -56,6 +58,7 @@ class TransientBytes:
         for output in self.program.outputs:
             self.last_read[output.var] = end
         self._held = {local.var for local in self.program.inputs}
+        self._boxes = {local.var: local.box for local in self.program.inputs}
         self._fed = {var for action in actions if not isinstance(action, Compute) for var in reads(action)}
         self._fed |= {output.var for output in self.program.outputs if output.seed}
 
@@ -96,12 +99,22 @@ class TransientBytes:
             for var, piece in zip(action.input_vars, op.tensor_inputs):
                 if var not in self.kept.grad or piece.tensor.dtype not in FLOATING:
                     continue
-                parameter = var in self.kept.uncounted
-                view = self.kept.root(var) in output_roots
-                grads.append((var, self.kept.nbytes.get(var, 0), parameter, view))
+                root = self.kept.root(var)
+                if root in self.kept.uncounted:  # a parameter piece, or a slice of one (co-shard): its whole gradient is made
+                    grads.append((root, self._parameter_bytes(root, piece), True, False))
+                    continue
+                grads.append((var, self.kept.nbytes.get(var, 0), False, root in output_roots))
         internal = self.kept.internal.get(op.name, 0) if grads else 0
         fed = any(var in self._fed for var in action.output_vars)
         return OpMemory(kept_bytes, tuple(grads), tuple(action.output_vars), internal, fed)
+
+
+    def _parameter_bytes(self, var: str, piece: VTensor) -> int:
+        """Bytes of the held parameter piece ``var`` (of ``piece``'s dtype), which an op may read a slice of."""
+        if var in self.kept.nbytes:
+            return self.kept.nbytes[var]
+        box = self._boxes[var]
+        return math.prod(stop - start for start, stop in box) * dtype_bytes(piece.tensor.dtype)
 
 
 def backward_peaks(chunks: list[list[OpMemory]]) -> list[int]:

@@ -1,5 +1,7 @@
-"""Predicted peak memory against the allocator's on real gloo ranks: the generated code of a tensor-parallel and
-a 1F1B plan, one step each, every rank metered by ``sim.meter.AllocationMeter`` (the profiler's memory events)."""
+"""Predicted peak memory against the allocator's on real gloo ranks: the generated code of a tensor-parallel, a
+1F1B and a co-shard plan, one step each, every rank metered by ``sim.meter.AllocationMeter`` (the profiler's
+memory events). Tensor parallelism at 2 ranks sums partial results by point-to-point messages, whose copies the
+runtime holds until the step's end; co-shard slices parameter pieces, whose whole gradients the slices' backward makes."""
 
 from __future__ import annotations
 
@@ -44,12 +46,13 @@ def metered_rank(rank: int, world_size: int, sources: list[str], offsets: list[d
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("recipe", "options"), [("tp", {}), ("1f1b", {"stages": 2, "microbatches": 4})])
-def test_the_predicted_peak_is_within_10_percent_of_the_allocators(recipe: str, options: dict) -> None:
+@pytest.mark.parametrize(("recipe", "options"), [("tp", {}), ("1f1b", {"stages": 2, "microbatches": 4}), ("coshard", {"shards": 2})])
+def test_the_predicted_peak_is_within_5_percent_of_the_allocators(recipe: str, options: dict) -> None:
     model, batch = model_and_batch()
     plan = lnn.parallelize(model, batch, recipe, 2, step="training_step", **options)
     assert not plan.graph.constant_values and [tensor.name for tensor in plan.graph.user_inputs] == ["batch_0", "batch_1"]
     measured = launch_ranks(metered_rank, 2, plan.sources, [plan.input_offsets(rank) for rank in range(2)], timeout=90.0)
-    for rank, (row, allocated) in enumerate(zip(predict(plan, "cpu").memory, measured, strict=True)):
-        predicted = row["activations"] + row["transient"] + row["gradients"]
-        assert abs(predicted / allocated - 1) <= 0.10, f"rank {rank}: predicted {predicted} B, allocated {allocated} B"
+    prediction = predict(plan, "cpu")
+    for rank, (row, stats, allocated) in enumerate(zip(prediction.memory, prediction.simulation.ranks, measured, strict=True)):
+        predicted = row["activations"] + row["transient"] + stats.gradients_at_peak  # the reducer's buckets are held before the meter starts
+        assert abs(predicted / allocated - 1) <= 0.05, f"rank {rank}: predicted {predicted} B, allocated {allocated} B"

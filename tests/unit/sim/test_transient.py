@@ -13,7 +13,7 @@ from lightning_nnscaler.runtime.executor import RankExecutor
 from lightning_nnscaler.runtime.memory_comm import InMemoryCommunicator, InMemoryWorld
 from lightning_nnscaler.sim import CommModel, Machine, load_spec, predict, simulate
 from lightning_nnscaler.sim.meter import AllocationMeter
-from lightning_nnscaler.sim.tasks import Compute
+from lightning_nnscaler.sim.tasks import Compute, Recv, Send
 from lightning_nnscaler.sim.transient import OpMemory, backward_peaks
 
 
@@ -58,6 +58,30 @@ def test_parameter_gradients_a_backward_makes_live_on_after_it(cores: int | None
              Compute(1.0, "forward", activation_bytes=300, transient_bytes=300)]  # the next microbatch's F
     stats = simulate([tasks], CommModel(load_spec("a100")), Machine(ranks_per_node=8, cores_per_node=cores)).ranks[0]
     assert (stats.peak_live_bytes, stats.gradient_bytes, stats.gradients_at_peak) == (50 + 300, 50, 50)
+
+
+@pytest.mark.parametrize("cores", [None, 10**6], ids=["list engine", "event engine"])
+def test_a_senders_copies_of_its_messages_count_until_the_steps_end(cores: int | None) -> None:
+    sender = [Compute(1.0, "forward", activation_bytes=100), Send(1, 30), Send(1, 40),
+              Compute(1.0, "backward", activation_bytes=-100, transient_bytes=20)]
+    receiver = [Recv(0), Recv(0), Compute(1.0, "forward", activation_bytes=10)]
+    ranks = simulate([sender, receiver], CommModel(load_spec("a100")), Machine(ranks_per_node=8, cores_per_node=cores)).ranks
+    assert (ranks[0].sent_bytes, ranks[0].peak_live_bytes, ranks[0].peak_activation_bytes) == (70, 100 + 70 + 20, 100)
+    assert (ranks[1].sent_bytes, ranks[1].peak_live_bytes) == (0, 10)  # what a rank received is an activation of its own
+
+
+def test_co_shard_slices_of_a_parameter_make_its_whole_gradient_once() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, seq_len=16, hidden=64, layers=1, heads=4))
+    model.log = lambda *args, **kwargs: None
+    batch = model.example_batch(4, torch.Generator().manual_seed(0))
+    stats = predict(lnn.parallelize(model, batch, "coshard", 2, step="training_step", shards=2), "cpu").simulation.ranks[0]
+    sizes = {name: parameter.numel() * 4 for name, parameter in model.named_parameters()}
+    halves = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj.weight", "mlp.fc1", "mlp.fc2.weight")
+    wholes = ("attn.out_proj.bias", "mlp.fc2.bias")  # rank 0 adds the output biases to its partial sums
+    expected = sum(size // 2 for name, size in sizes.items() if any(key in name for key in halves))
+    expected += sum(size for name, size in sizes.items() if any(key in name for key in wholes))
+    assert stats.gradient_bytes == expected  # each piece's gradient once: not zero, not one per co-shard
 
 
 def allocated_in_a_step(plan: lnn.Plan) -> int:
