@@ -184,9 +184,10 @@ class InStep:
     """The mean hold of an issue while the other cores compute."""
     late_receive: dict[int, float]
     """By world size, the mean time of a receive posted after its message was sent."""
-    factor: float
-    """``in_step_factor``: the median over plans and ranks of a rank's time outside communication (the median
-    step's) over its compute as the spec predicts it from ops timed alone (``sim.profile``)."""
+    factor: dict[int, float]
+    """``in_step_factor`` by world size: the median over the plans of that many ranks, and their ranks, of a rank's
+    time outside communication (the median step's) over its compute as the spec predicts it from ops timed alone
+    (``sim.profile``). More ranks than cores slow every op beyond their share of the cores."""
     median_steps: list[float]
     """Each plan's median step (of the slowest rank at each step)."""
 
@@ -194,7 +195,8 @@ class InStep:
 def measure_in_step(plans: list[tuple[int, lnn.Plan]], spec: HardwareSpec) -> InStep:
     """Train ``plans`` a few steps on gloo ranks with every communication operation logged; see ``InStep``."""
     samples: dict[tuple[str, int], list[tuple[int, float]]] = {}
-    ratios, median_steps = [], []
+    ratios: dict[int, list[float]] = {}
+    median_steps = []
     with tempfile.TemporaryDirectory(prefix="lnn-profile-") as folder:
         device = DeviceModel(spec, Profiled(ProfileDB.open(directory=Path(folder)), Roofline(spec), statistic=min))
         for width, plan in plans:
@@ -208,9 +210,10 @@ def measure_in_step(plans: list[tuple[int, lnn.Plan]], spec: HardwareSpec) -> In
             predicted = predict(plan, spec, device).simulation.ranks
             for rank, steps in enumerate(per_rank):
                 outside = statistics.median(seconds - communication_seconds(events) for seconds, events in steps)
-                ratios.append(outside / predicted[rank].busy)
+                ratios.setdefault(plan.world_size, []).append(outside / predicted[rank].busy)
             median_steps.append(statistics.median(max(seconds for seconds, _ in step) for step in zip(*per_rank, strict=True)))
-    return InStep(fit_in_step(samples), busy_issue_seconds(samples), late_receive_seconds(samples), statistics.median(ratios), median_steps)
+    factor = {world_size: statistics.median(values) for world_size, values in sorted(ratios.items())}
+    return InStep(fit_in_step(samples), busy_issue_seconds(samples), late_receive_seconds(samples), factor, median_steps)
 
 
 def print_residuals(spec: HardwareSpec, plans: list[tuple[int, lnn.Plan]], median_steps: list[float]) -> None:
@@ -278,8 +281,9 @@ def calibrate(output: Path) -> None:
             where = "in steps" if world_size in measured.fits.get(kind, {}) else "in loops"
             print(f"{kind:>15} p={world_size} ({where}): alpha {alpha * 1e6:8.1f} us, beta {beta * 1e9:7.3f} ns/B")
     late = ", ".join(f"{seconds * 1e6:.0f} us at {ranks} ranks" for ranks, seconds in sorted(measured.late_receive.items()))
+    factors = ", ".join(f"{factor:.2f}x at {ranks} ranks" for ranks, factor in measured.factor.items())
     print(f"issuing while the other cores compute holds a rank {measured.busy_issue * 1e6:.1f} us on average; a receive posted after its "
-          f"message was sent takes {late or 'nothing measured'}; in a step a rank computes {measured.factor:.2f}x as long as its ops "
+          f"message was sent takes {late or 'nothing measured'}; in a step a rank computes {factors} as long as its ops "
           f"timed alone; roofline fitted to those ops: {fitted.overhead * 1e6:.1f} us per op, {fitted.matmul_efficiency:.2f} of the peak "
           f"FLOP/s in matmuls, {fitted.memory_efficiency:.2f} of the bandwidth elsewhere")
     print_residuals(spec_from_dict(spec, "calibrated"), plans, measured.median_steps)

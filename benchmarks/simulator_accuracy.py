@@ -192,7 +192,7 @@ def scale_seconds() -> tuple[float, float, float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--only", choices=("scale", "accuracy"), default=None)
     parser.add_argument("--plan", action="append", default=[], metavar="TEXT",
                         help="run only the plans whose name contains TEXT (e.g. 'gpt coshard'); repeatable")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_nnscaler.explain import MEMORY_KEYS, human_bytes
@@ -18,17 +18,28 @@ from lightning_nnscaler.sim.specs import HardwareSpec, load_spec
 class DeviceModel:
     """Compute costs on one device kind: per-op times from ``ops`` (a roofline or a profile), the AdamW
     step and piece copies from the spec's roofline, or from ``optimizer_fit`` when one was measured; all
-    of them times the spec's ``in_step_factor`` (what a training step adds to work timed alone)."""
+    of them times the spec's ``in_step_factor`` for ``world_size`` ranks (what a training step adds to work timed alone)."""
 
     spec: HardwareSpec
     ops: ComputeModel
     optimizer_fit: tuple[float, float] | None = None
     """Measured AdamW cost: (seconds per tensor, seconds per element)."""
+    world_size: int | None = None
+    """The ranks of the run priced (``predict`` sets it to the plan's); None: the spec's first in-step figure."""
+
+    @property
+    def factor(self) -> float:
+        """What a training step of ``world_size`` ranks adds to work timed alone (``HardwareSpec.in_step``)."""
+        return self.spec.in_step(self.world_size)
+
+    def for_ranks(self, world_size: int) -> "DeviceModel":
+        """This model pricing a run of ``world_size`` ranks (the same op costs and profile)."""
+        return self if world_size == self.world_size else replace(self, world_size=world_size)
 
     def op_time(self, op: Op) -> OpTime:
         """Forward and backward seconds of ``op``."""
         alone = self.ops.op_time(op)
-        factor = self.spec.in_step_factor
+        factor = self.factor
         return alone if factor == 1.0 else OpTime(alone.forward * factor, alone.backward * factor)
 
     def optimizer_seconds(self, tensor_numels: list[int]) -> float:
@@ -36,13 +47,13 @@ class DeviceModel:
         fit = self.optimizer_fit or self.spec.optimizer
         if fit is not None:
             per_tensor, per_element = fit
-            return self.spec.in_step_factor * (per_tensor * len(tensor_numels) + per_element * sum(tensor_numels))
+            return self.factor * (per_tensor * len(tensor_numels) + per_element * sum(tensor_numels))
         roofline = Roofline(self.spec)
-        return self.spec.in_step_factor * sum(roofline.optimizer_seconds(numel) for numel in tensor_numels)
+        return self.factor * sum(roofline.optimizer_seconds(numel) for numel in tensor_numels)
 
     def copy_seconds(self, nbytes: int) -> float:
         """Copying ``nbytes`` (read and write) on the device."""
-        return self.spec.in_step_factor * (self.spec.op_overhead_s + 2 * nbytes / (self.spec.memory_bandwidth * self.spec.memory_efficiency))
+        return self.factor * (self.spec.op_overhead_s + 2 * nbytes / (self.spec.memory_bandwidth * self.spec.memory_efficiency))
 
 
 @dataclass
@@ -115,7 +126,7 @@ def predict(plan: Any, spec: HardwareSpec | str = "a100", device: DeviceModel | 
     freed, gradients in flight), so that the columns add up to the allocator's peak.
     """
     spec = load_spec(spec) if isinstance(spec, str) else spec
-    device = device or DeviceModel(spec, Roofline(spec))
+    device = (device or DeviceModel(spec, Roofline(spec))).for_ranks(plan.program.world_size)
     lists = plan_task_lists(plan, device)
     machine = Machine(spec.ranks_per_node, spec.cores_per_node, spec.busy_issue_s, spec.late_receive_seconds(len(lists)))
     result = simulate(lists, CommModel(spec, len(lists)), machine, record=record)

@@ -46,7 +46,8 @@ class HardwareSpec:
         ranks_per_node: ranks on one node (they use ``intra_node`` links).
         cores_per_node: compute slots a node's ranks share (CPU); None: one device per rank.
         in_step_factor: how much longer an op (and the optimizer's step) takes inside a training step on its
-            rank than timed alone (measured by ``benchmarks/calibrate_comm.py`` in steps of small plans); 1.0 where unmeasured.
+            rank than timed alone (measured by ``benchmarks/calibrate_comm.py`` in steps of small plans), one figure
+            or one per world size (on shared cores more ranks than cores slow every op); 1.0 where unmeasured.
         busy_issue_s: with ``cores_per_node`` set, how long issuing a send or starting an asynchronous collective holds a rank
             while the node's other cores all compute (the backend's communication thread waits for a core first);
             measured in training steps by ``benchmarks/calibrate_comm.py`` (``sim.in_step``).
@@ -70,7 +71,7 @@ class HardwareSpec:
     inter_node: Link
     cores_per_node: int | None = None
     busy_issue_s: float = 0.0
-    in_step_factor: float = 1.0
+    in_step_factor: float | dict[int, float] = 1.0
     late_receive_s: dict[int, float] = field(default_factory=dict)
     collectives: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
     optimizer: tuple[float, float] | None = None
@@ -79,6 +80,15 @@ class HardwareSpec:
     def late_receive_seconds(self, world_size: int) -> float:
         """``late_receive_s`` for a run of ``world_size`` ranks (``measured_for``; 0 without an entry)."""
         return measured_for(self.late_receive_s, world_size) or 0.0
+
+    def in_step(self, world_size: int | None) -> float:
+        """``in_step_factor`` for a run of ``world_size`` ranks (``measured_for``; the fewest ranks measured when
+        None; 1.0 without an entry)."""
+        if not isinstance(self.in_step_factor, dict):
+            return self.in_step_factor
+        if not self.in_step_factor:
+            return 1.0
+        return measured_for(self.in_step_factor, world_size if world_size is not None else min(self.in_step_factor)) or 1.0
 
     def flops(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (float32's when the spec lists no figure for it)."""
@@ -152,8 +162,15 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> HardwareSpec:
         inter_node=Link(float(links["inter_node"]["bandwidth"]), float(links["inter_node"]["latency"])),
         cores_per_node=None if data.get("cores_per_node") is None else int(data["cores_per_node"]),
         busy_issue_s=float(data.get("busy_issue_s", 0.0)),
-        in_step_factor=float(data.get("in_step_factor", 1.0)),
+        in_step_factor=_by_world_size_or_one(data.get("in_step_factor", 1.0)),
         late_receive_s={int(ranks): float(seconds) for ranks, seconds in (data.get("late_receive_s") or {}).items()},
         collectives=collectives,
         optimizer=None if data.get("optimizer") is None else (float(data["optimizer"][0]), float(data["optimizer"][1])),
     )
+
+
+def _by_world_size_or_one(value: Any) -> float | dict[int, float]:
+    """A spec figure given once or per world size (``{ranks: figure}``)."""
+    if isinstance(value, dict):
+        return {int(ranks): float(figure) for ranks, figure in value.items()}
+    return float(value)

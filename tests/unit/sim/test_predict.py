@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 
 import lightning_nnscaler as lnn
 from lightning_nnscaler.models.gpt import GPT, GPTConfig
 from lightning_nnscaler.sim import predict
+from lightning_nnscaler.sim.costs import Roofline
+from lightning_nnscaler.sim.from_plan import plan_task_lists
+from lightning_nnscaler.sim.predict import DeviceModel
+from lightning_nnscaler.sim.tasks import Compute
+from lightning_nnscaler.sim.specs import SPEC_DIRECTORY, spec_from_dict
 
 
 @pytest.fixture(scope="module")
@@ -35,3 +41,15 @@ def test_explain_with_a_spec_ends_with_the_predicted_step(gpt_and_batch) -> None
     assert plan.explain() == plan.explain(None)
     last = plan.explain("h100").splitlines()[-1]
     assert last.startswith("predicted step on H100-SXM5-80GB: ") and "bubble" in last
+
+
+def test_the_in_step_factor_may_be_given_per_world_size_and_prices_each_plan_by_its_ranks(gpt_and_batch) -> None:
+    model, batch = gpt_and_batch
+    data = yaml.safe_load((SPEC_DIRECTORY / "cpu.yaml").read_text())
+    flat, by_ranks = spec_from_dict({**data, "in_step_factor": 1.5}), spec_from_dict({**data, "in_step_factor": {2: 1.5, 4: 3.0}})
+    assert (by_ranks.in_step(2), by_ranks.in_step(4), by_ranks.in_step(8), by_ranks.in_step(None)) == (1.5, 3.0, 3.0, 1.5)
+    two, four = (lnn.parallelize(model, batch, "dp", ranks, step="training_step") for ranks in (2, 4))
+    assert predict(two, by_ranks).step_seconds == predict(two, flat).step_seconds
+    computes = [[task.seconds for task in plan_task_lists(four, DeviceModel(spec, Roofline(spec)).for_ranks(4))[0] if isinstance(task, Compute)]
+                for spec in (flat, by_ranks)]
+    assert computes[1] == pytest.approx([2 * seconds for seconds in computes[0]])
