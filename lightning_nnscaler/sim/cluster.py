@@ -3,7 +3,8 @@ transformer given by its shape (``sim.analytic``), simulated on a spec file's cl
 no process started, so paper-scale models search in seconds.
 
 Memory per rank: mixed-precision Adam keeps 16 bytes per parameter it holds (bf16 weights and gradients, fp32
-master weights and two moments; Rajbhandari et al. 2020, §3.1), plus the simulated peak of kept activations.
+master weights and two moments; Rajbhandari et al. 2020, §3.1), plus the simulated peak of kept activations
+and the copies of the messages the rank has sent (the runtime holds them until the step's end, ``sim.tasks``).
 The reference models' paper configurations map to shapes by ``paper_shapes`` (approximations stated there).
 """
 
@@ -72,7 +73,7 @@ def evaluate(shape: TransformerShape, spec: HardwareSpec, plan: ClusterPlan, lim
     lists = transformer_task_lists(sized, spec, dp=plan.dp, tp=plan.tp, pp=plan.pp)
     result = simulate(lists, CommModel(spec), Machine(spec.ranks_per_node))
     peaks = [
-        BYTES_PER_PARAMETER * sized.stage_parameters(rank // plan.tp % plan.pp, plan.pp) / plan.tp + stats.peak_activation_bytes
+        BYTES_PER_PARAMETER * sized.stage_parameters(rank // plan.tp % plan.pp, plan.pp) / plan.tp + stats.peak_live_bytes
         for rank, stats in enumerate(result.ranks)
     ]
     peak = max(peaks)
