@@ -28,7 +28,7 @@ def model_and_batch() -> tuple[GPT, tuple[torch.Tensor, ...]]:
 
 
 def metered_rank(rank: int, world_size: int, sources: list[str], offsets: list[dict[str, int]]) -> int:
-    """Bytes allocated beyond what the rank holds, at the fullest point of its second step (gradients set to None first)."""
+    """Bytes allocated beyond what the rank holds, at the fullest point of a step after the first (gradients set to None first)."""
     torch.set_num_threads(1)
     model, batch = model_and_batch()
     names = [f"batch_{index}" for index in range(len(batch))]
@@ -38,11 +38,14 @@ def metered_rank(rank: int, world_size: int, sources: list[str], offsets: list[d
                             TorchDistributedCommunicator(60.0), input_offsets=offsets[rank])
     inputs = dict(zip(names, batch))
     executor.forward_backward(inputs)
-    for parameter in executor.parameters():
-        parameter.grad = None
-    with AllocationMeter() as meter:
-        executor.forward_backward(inputs)
-    return meter.peak
+    peaks = []
+    for _ in range(2):  # the least of two: a free of a block older than the profiler goes unseen and reads high, never low
+        for parameter in executor.parameters():
+            parameter.grad = None
+        with AllocationMeter() as meter:
+            executor.forward_backward(inputs)
+        peaks.append(meter.peak)
+    return min(peaks)
 
 
 @pytest.mark.timeout(120)
