@@ -11,7 +11,9 @@ Conventions shared by every implementation:
   ``ranks.index(rank)``). Every rank in ``ranks`` passes a tensor of the same shape and dtype.
 - Collectives return a new tensor and never modify their input.
 - ``send`` copies the tensor and returns at once (the caller may modify it afterwards);
-  ``wait_sends`` waits for every send issued so far. ``recv`` blocks.
+  ``wait_sends`` waits for every send issued so far, and ``release_send`` for one the peer is known to
+  have received (its copy is held until then: gloo cannot tell a finished send without waiting for
+  it). ``recv`` blocks.
 - Point-to-point messages carry a tag that sender and receiver must agree on (gloo matches tags),
   *and* between two ranks they are received in the order they were sent (NCCL ignores tags and
   matches by order). The in-memory world enforces both.
@@ -81,6 +83,12 @@ class Communicator(Protocol):
 
     def wait_sends(self) -> None:
         """Wait until every send issued so far has completed."""
+
+    def release_send(self, dst: int, tag: int) -> None:
+        """The send to ``dst`` with ``tag`` is known received (``dst`` answered it): finish it and drop its copy.
+
+        Call it only where the peer's receive is known to have been posted (a pipeline's activation, once its
+        gradient came back); otherwise it may wait for the peer."""
 
     def barrier(self) -> None:
         """Wait for every rank of the world."""
@@ -154,8 +162,9 @@ class TorchDistributedCommunicator:
         self.groups = GroupCache(timeout)
         # The channel of all_reduce_async: a second process group per tuple (the world's included).
         self._async_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        # (work, the tensor it reads, description): the tensor must stay alive until the send completes.
-        self._pending_sends: list[tuple[dist.Work, torch.Tensor, str]] = []
+        # By (dst, tag), in issue order: (work, the tensor it reads, description); the tensor must stay alive
+        # until the send completes.
+        self._pending_sends: dict[tuple[int, int], list[tuple[dist.Work, torch.Tensor, str]]] = {}
 
     def create_groups(self, all_rank_tuples: Iterable[Sequence[int]]) -> None:
         tuples = [tuple(sorted(ranks)) for ranks in all_rank_tuples]
@@ -171,7 +180,8 @@ class TorchDistributedCommunicator:
         check_peer(dst, self.rank, self.world_size)
         tensor = tensor.detach().clone(memory_format=torch.contiguous_format)
         description = f"send to rank {dst} with tag {tag}"
-        self._pending_sends.append((self._issue(lambda: dist.isend(tensor, dst, tag=tag), description), tensor, description))
+        work = self._issue(lambda: dist.isend(tensor, dst, tag=tag), description)
+        self._pending_sends.setdefault((dst, tag), []).append((work, tensor, description))
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
         check_peer(src, self.rank, self.world_size)
@@ -181,9 +191,24 @@ class TorchDistributedCommunicator:
         return tensor
 
     def wait_sends(self) -> None:
-        pending, self._pending_sends = self._pending_sends, []
-        for work, _, description in pending:
-            self._wait(work, description)
+        pending, self._pending_sends = self._pending_sends, {}
+        for sends in pending.values():
+            for work, _, description in sends:
+                self._wait(work, description)
+
+    @property
+    def sends_in_flight(self) -> int:
+        """Sends issued and not yet waited for (``wait_sends``, ``release_send``): this rank holds their copies."""
+        return sum(map(len, self._pending_sends.values()))
+
+    def release_send(self, dst: int, tag: int) -> None:
+        sends = self._pending_sends.get((dst, tag))
+        if not sends:
+            return
+        work, _, description = sends.pop(0)
+        if not sends:
+            del self._pending_sends[(dst, tag)]
+        self._wait(work, description)
 
     def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
         group = self._group(ranks)

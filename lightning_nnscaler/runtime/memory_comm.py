@@ -206,6 +206,9 @@ class InMemoryCommunicator:
     def wait_sends(self) -> None:
         """Sends are buffered in the world when issued, so there is nothing to wait for."""
 
+    def release_send(self, dst: int, tag: int) -> None:
+        """The world hands a message to its receiver and keeps no copy: nothing to release."""
+
     def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
         return _sum_in_order(self._exchange(ranks, "all_reduce", tensor))
 

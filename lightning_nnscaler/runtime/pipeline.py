@@ -11,7 +11,8 @@ messages of each; a plan that is not pipelined has one segment, run ``["0F0", "0
   sends (asynchronously) the boundary tensors it returns; what backward needs stays stashed under
   ``(s, m)``. A segment the schedule never runs backward (3F1B's recycling passes) runs under
   ``no_grad`` and stashes nothing;
-- ``B(s, m)``: receives the gradients of the segment's sent tensors that carry one, runs autograd
+- ``B(s, m)``: receives the gradients of the segment's sent tensors that carry one (and releases the
+  copies of those sent tensors: the peer received each before it answered), runs autograd
   backward through that segment only (its loss pieces seeded with the loss scale, its token chain
   included, so inline tensor-parallel communication replays in reverse), and sends each boundary
   input's gradient back to its producer (zeros when it got none). Whether a message's gradient
@@ -177,6 +178,7 @@ class PipelineRun:
                 gradient = self.local_gradients.pop(tag)
             else:
                 gradient = self.communicator.recv(value.shape, value.dtype, dst, tag + BACKWARD_TAG_OFFSET)
+                self.communicator.release_send(dst, tag)  # dst received it before it sent its gradient back
             if value.requires_grad:
                 roots.append(value)
                 gradients.append(gradient)

@@ -62,7 +62,9 @@ def transformer_task_lists(shape: TransformerShape, spec: HardwareSpec, *, dp: i
         tasks_of = {"F": (forward_task, tensor_parallel), "B": (backward_task, tensor_parallel)}
         for column in {stage - 1, stage + 1} & set(range(pp)):
             peer = (replica * pp + column) * tp + piece
-            tasks_of[column, "send"], tasks_of[column, "recv"] = (Send(peer, activation),), (Recv(peer),)
+            # a gradient from the next stage proves it received the activation sent to it: the runtime drops that copy
+            released = activation if column == stage + 1 else 0
+            tasks_of[column, "send"], tasks_of[column, "recv"] = (Send(peer, activation),), (Recv(peer, releases=released),)
         tasks = [task for key in keys[stage] for task in tasks_of[key]]
         tasks += [Collective("all_reduce", dp_group, int(weight_bytes), "gradients", blocking=False), WaitCollectives(), optimizer]
         lists.append(tasks)

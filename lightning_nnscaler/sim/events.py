@@ -196,6 +196,7 @@ class EventRun:
         self.late_until.pop(key, None)
         self.received[channel] = key[2] + 1
         del self.messages[key]
+        self.stats[rank].sent_bytes -= task.releases
         self._account_wait(rank, since, max(since, posted), "recv", task.label)
         return True
 

@@ -224,7 +224,8 @@ class TaskBuilder:
                 tasks += [Send(message.dst, self.message_bytes.get((rank, message.dst, message.tag), 0)) for message in segment.outputs if message.dst != rank]
             elif kind == "B":
                 seed = seeds.get((action.stage, action.microbatch), 0)  # held while B runs (until W when split)
-                tasks += [Recv(message.dst) for message in segment.outputs if message.dst != rank and message.gradient]
+                tasks += [Recv(message.dst, releases=self.message_bytes.get((rank, message.dst, message.tag), 0))
+                          for message in segment.outputs if message.dst != rank and message.gradient]
                 tasks.append(Compute(0.0, "backward", str(action), activation_bytes=seed))
                 tasks += self._backward(segment, rank, 0.5 if splits else 1.0, release=not splits, label=str(action))
                 tasks += [] if splits else [Compute(0.0, "backward", str(action), activation_bytes=-seed)]

@@ -92,6 +92,7 @@ class ListRun:
                     self.waiting.setdefault((task.peer, rank, number), []).append(rank)
                     break
                 received[channel] = number + 1
+                sent -= task.releases
                 if message[1] > clock:
                     clock = self._wait(rank, clock, message[0], message[1], "recv", task.label)
             elif kind is Collective:

@@ -47,8 +47,8 @@ class RankStats:
     gradients_at_peak: int = 0
     """How many of those existed when ``peak_live_bytes`` was reached."""
     sent_bytes: int = 0
-    """Copies of the messages the rank sent so far: the runtime keeps each until it waits for its sends, once,
-    at the step's end (``runtime.comm``), so they count towards the peak like the gradients made."""
+    """Copies of the messages the rank sent and still holds: the runtime keeps each until it waits for its sends
+    after backward, or, for a pipeline activation, until its gradient comes back (``Recv.releases``)."""
 
     def note_live(self, nbytes: int) -> None:
         """Raise ``peak_live_bytes`` to ``nbytes`` plus the messages sent so far when it is higher (and note the

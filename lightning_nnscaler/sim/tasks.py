@@ -11,8 +11,8 @@ ended). ``Compute.activation_bytes`` is what the task adds to (F) or frees from 
 live activations, for the memory peak over the schedule; ``Compute.transient_bytes`` the most it holds
 above the live bytes it started from while it runs (outputs not yet freed, gradients in flight);
 ``Compute.gradient_bytes`` the parameter gradients it makes that live to the step's end. A ``Send``'s bytes
-count towards its sender's memory from the send to the step's end: the runtime sends a copy and waits for its
-sends once, after backward (``runtime.comm``).
+count towards its sender's memory from the send until a ``Recv`` releases them or the step ends: the runtime
+sends a copy and waits for its sends after backward, or for a pipeline activation once its gradient is back.
 
 Tasks are named tuples: a 1024-rank step has millions of them, and a tuple is built several times faster
 than a frozen dataclass.
@@ -46,10 +46,12 @@ class Send(NamedTuple):
 
 
 class Recv(NamedTuple):
-    """Wait for the next message from ``peer``."""
+    """Wait for the next message from ``peer``; its arrival proves ``peer`` received ``releases`` bytes this rank
+    sent it (a pipeline activation whose gradient this is), whose copy the rank then drops."""
 
     peer: int
     label: str = ""
+    releases: int = 0
 
 
 class Collective(NamedTuple):

@@ -222,6 +222,26 @@ def silent_peer_scenario(comm) -> dict:
     return {"error": None}
 
 
+def release_scenario(comm) -> dict:
+    """Rank 0 sends three messages; rank 1 answers once it has them all; rank 0 then releases one, then waits for all."""
+    if comm.rank == 1:
+        for tag in (1, 2, 3):
+            comm.recv((4,), torch.float32, 0, tag)
+        comm.send(torch.ones(1), 0, 9)
+        comm.wait_sends()
+        return {}
+    for tag in (1, 2, 3):
+        comm.send(torch.full((4,), float(tag)), 1, tag)
+    counts = [comm.sends_in_flight]
+    comm.recv((1,), torch.float32, 1, 9)
+    comm.release_send(1, 2)
+    counts.append(comm.sends_in_flight)
+    comm.release_send(1, 7)  # nothing sent with that tag: nothing to release
+    counts.append(comm.sends_in_flight)
+    comm.wait_sends()
+    return {"counts": counts + [comm.sends_in_flight]}
+
+
 SCENARIOS = {
     "collectives": (collectives_scenario, COMMUNICATION_TIMEOUT),
     "autograd": (autograd_scenario, COMMUNICATION_TIMEOUT),
@@ -231,6 +251,7 @@ SCENARIOS = {
     "group_errors": (group_errors_scenario, COMMUNICATION_TIMEOUT),
     "killed_peer": (killed_peer_scenario, 3.0),
     "silent_peer": (silent_peer_scenario, 1.0),
+    "release": (release_scenario, COMMUNICATION_TIMEOUT),
 }
 
 
@@ -405,3 +426,10 @@ def test_a_silent_peer_times_out_naming_op_peer_tag_and_timeout(tmp_path):
     result = outcomes[0].result
     assert "rank 0: recv from rank 1 with tag 3 failed or did not complete within 1.0 s" in result["error"]
     assert 0.9 < result["elapsed"] < 5
+
+
+@pytest.mark.timeout(60)
+def test_a_released_send_drops_its_copy_and_the_rest_wait_for_wait_sends(tmp_path):
+    outcomes, _ = launch(2, "release", tmp_path)
+    assert_succeeded(outcomes)
+    assert outcomes[0].result == {"counts": [3, 2, 2, 0]}

@@ -24,7 +24,11 @@ def test_a_pipelined_plans_peak_counts_the_message_copies_its_ranks_hold() -> No
     spec = load_spec("a100")
     plan = ClusterPlan(dp=1, tp=1, pp=4, microbatch_size=1)
     stats = simulate(transformer_task_lists(SHAPE, spec, dp=1, tp=1, pp=4), CommModel(spec), Machine(spec.ranks_per_node)).ranks
-    sent = [rank.sent_bytes for rank in stats]
-    assert min(sent) > 0  # every stage sends activations forward or gradients back
-    peaks = [BYTES_PER_PARAMETER * SHAPE.stage_parameters(stage, 4) + rank.peak_activation_bytes for stage, rank in enumerate(stats)]
-    assert evaluate(SHAPE, spec, plan, float("inf")).peak_bytes > max(peaks)
+    first, last = stats[0], stats[-1]
+    assert first.peak_live_bytes > first.peak_activation_bytes  # the activations it sent, until their gradients come back
+    assert first.sent_bytes == 0  # every one came back
+    activation = SHAPE.microbatch_size * SHAPE.seq_len * SHAPE.hidden * SHAPE.dtype_bytes
+    microbatches = SHAPE.global_batch // SHAPE.microbatch_size
+    assert last.sent_bytes == microbatches * activation  # gradients sent back are held to the step's end
+    peaks = [BYTES_PER_PARAMETER * SHAPE.stage_parameters(stage, 4) + rank.peak_live_bytes for stage, rank in enumerate(stats)]
+    assert evaluate(SHAPE, spec, plan, float("inf")).peak_bytes == max(peaks)
