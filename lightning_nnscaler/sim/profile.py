@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from lightning_nnscaler.ir import randomness  # noqa: F401 - registers torch.ops.lnn.random*
 from lightning_nnscaler.ir.op import Op, resolve_target
@@ -143,8 +144,6 @@ def _kernel_seconds(run: Callable[[], object]) -> float:
     """The GPU time of one ``run()``: its kernels' durations (the profiler's, over ``KERNEL_CALLS`` calls), 0.0
     where none were seen. In a training step the CPU queues kernels ahead of the GPU, so neither the wait
     after a call nor the framework's time on the CPU is the op's; timed alone, a small op is mostly those."""
-    from torch.profiler import ProfilerActivity, profile
-
     try:
         with profile(activities=[ProfilerActivity.CUDA]) as recorded:
             for _ in range(KERNEL_CALLS):
