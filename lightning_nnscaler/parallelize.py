@@ -28,6 +28,7 @@ from lightning_nnscaler.ir.validate import PlanError
 from lightning_nnscaler.logged_values import LoggedValues, plan_logged_values
 from lightning_nnscaler.materialize.dependencies import materialize
 from lightning_nnscaler.materialize.program import Compute, Program, Recv, Send
+from lightning_nnscaler.materialize.releases import pipeline_releases
 from lightning_nnscaler.plans.context import PipelinePlan
 from lightning_nnscaler.plans.layout import RecipeLayout, single_replica
 from lightning_nnscaler.runtime.comm import Communicator
@@ -35,7 +36,7 @@ from lightning_nnscaler.runtime.executor import RankExecutor, merge_gradients
 from lightning_nnscaler.schedules import Durations, bubble_fraction, execute, grid, lower, theoretical_bubble_fraction, validate
 from lightning_nnscaler.verify import EquivalenceError, evaluate
 
-CODEGEN_VERSION = "4"
+CODEGEN_VERSION = "5"
 
 @dataclass
 class VerifyReport:
@@ -328,7 +329,8 @@ def build_plan(
     schedules = [[str(action) for action in pipeline.actions(rank)] if pipeline else None for rank in range(world_size)]
     plan_hash = digest("\n".join([CODEGEN_VERSION, str(world_size), str(zero_stage), str(graph), str(planned), str(schedules)]))
     label = f"recipe {recipe}" + (f" {params}" if params else "")
-    sources = [emit_rank(program, rank, plan_hash[:12], label, zero_stage, schedules[rank]) for rank in range(world_size)]
+    releases = pipeline_releases(program, schedules) if pipeline else [None] * world_size
+    sources = [emit_rank(program, rank, plan_hash[:12], label, zero_stage, schedules[rank], releases[rank]) for rank in range(world_size)]
     return Plan(
         module, example_args, step, recipe, params, world_size, graph, planned, program, sources, plan_hash, zero_stage, layout, pipeline=pipeline,
     )

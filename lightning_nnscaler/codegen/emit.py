@@ -23,6 +23,7 @@ from lightning_nnscaler.ir.op import WHOLE_STEP_SCHEDULE
 from lightning_nnscaler.ir.printer import format_argument
 from lightning_nnscaler.ir.randomness import RANDOM_LIKE_OP, RANDOM_OP
 from lightning_nnscaler.ir.vocab import VOCAB_TARGETS
+from lightning_nnscaler.materialize.releases import Message
 from lightning_nnscaler.materialize.program import Assemble, Collective, Compute, Program, RankOutput, RankProgram, Recv, Send, reads, writes
 
 HEADER = '''"""Rank {rank} of {world_size}: plan {plan_hash} ({label}).
@@ -64,13 +65,16 @@ class _Name:
         return self.text
 
 
-def emit_rank(program: Program, rank: int, plan_hash: str, label: str, zero_stage: int = 0, schedule: list[str] | None = None) -> str:
+def emit_rank(
+    program: Program, rank: int, plan_hash: str, label: str, zero_stage: int = 0, schedule: list[str] | None = None,
+    releases: dict[Message, list[Message]] | None = None,
+) -> str:
     """The source of rank ``rank``'s module; ``zero_stage`` is the plan's ZeRO option for replicated boxes.
 
     Variables are named after graph tensors, renamed where that would shadow a name the module uses
     (``codegen.names``). A pipelined program (``program.pipelined``) needs ``schedule``, this rank's
     compute actions in order (``["0F0", "0F1", "0B0", ...]``); any other is one segment, run forward
-    then backward.
+    then backward. ``releases``: the rank's part of ``materialize.releases.pipeline_releases`` (pipelined programs).
     """
     rank_program = with_safe_names(program.ranks[rank])
     lines = [HEADER.format(rank=rank, world_size=program.world_size, plan_hash=plan_hash, label=label)]
@@ -100,7 +104,7 @@ def emit_rank(program: Program, rank: int, plan_hash: str, label: str, zero_stag
         lines.append(f"    ({output.name!r}, {output.var!r}, {output.seed!r}, {segment_of(output)!r}),")
     lines.append("]")
     lines.extend(_value_tables(program, rank_program))
-    lines.extend(emit_segments(rank_program, schedule if program.pipelined else WHOLE_STEP_SCHEDULE, _body))
+    lines.extend(emit_segments(rank_program, schedule if program.pipelined else WHOLE_STEP_SCHEDULE, _body, releases if program.pipelined else None))
     return "\n".join(lines) + "\n"
 
 

@@ -23,7 +23,7 @@ from lightning_nnscaler.materialize.program import Action, Assemble, Collective,
 MODULE_NAMES = frozenset({
     "torch", "comm", "assemble", "checkpoint", "zeros", "aten", "DEVICE", "RANK", "WORLD_SIZE", "HELD",
     "GRADIENT_GROUPS", "GROUPS", "ZERO_STAGE", "PIPELINED", "OUTPUTS", "VALUES", "VALUE_PIECES", "held", "communicator", "token",
-    "SCHEDULE", "SEGMENTS", "BOUNDARY_IN", "BOUNDARY_OUT", "prologue", "shared", "received",
+    "SCHEDULE", "SEGMENTS", "BOUNDARY_IN", "BOUNDARY_OUT", "RELEASES", "prologue", "shared", "received",
 })
 RESERVED = frozenset(keyword.kwlist) | frozenset(keyword.softkwlist) | frozenset(dir(builtins)) | MODULE_NAMES
 _RECOMPUTE_FUNCTION = re.compile(r"recompute_\d+|stage\d+_microbatch\d+")

@@ -9,7 +9,9 @@ computed (``shared``) and the boundary tensors other segments sent it (``receive
 tag); it returns the boundary tensors it sends (by tag), its graph outputs and the token of its
 own communication chain. Communication *inside* a segment (tensor-parallel peers of the same
 stage) stays inline; communication *between* segments is the runtime's (``runtime.pipeline``):
-``BOUNDARY_IN`` and ``BOUNDARY_OUT`` list each segment's messages, in the order they are posted.
+``BOUNDARY_IN`` and ``BOUNDARY_OUT`` list each segment's messages, in the order they are posted;
+``RELEASES`` (pipelined programs) which sent messages the receipt of a message proves taken
+(``materialize.releases``), so the runtime drops their copies then instead of at the step's end.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 from lightning_nnscaler.ir.op import PROLOGUE, WHOLE_STEP
 from lightning_nnscaler.materialize.program import LocalTensor, RankProgram, Recv, Segment, Send, reads, writes
+from lightning_nnscaler.materialize.releases import Message
 
 
 def segment_function_name(segment: Segment) -> str:
@@ -46,8 +49,13 @@ def segments_of(program: RankProgram) -> dict[Segment, RankProgram]:
     return dict(grouped)
 
 
-def emit_segments(rank_program: RankProgram, schedule: list[str], body: Callable[[RankProgram, set[str]], list[str]]) -> list[str]:
+def emit_segments(
+    rank_program: RankProgram, schedule: list[str], body: Callable[[RankProgram, set[str]], list[str]],
+    releases: dict[Message, list[Message]] | None = None,
+) -> list[str]:
     """The step part of a rank's module: ``SCHEDULE``, the boundary tables, the prologue and the segment functions.
+
+    ``releases`` (pipelined programs, ``materialize.releases.pipeline_releases``): the rank's ``RELEASES`` table.
 
     ``body(segment_program, returned)`` gives the statement lines of one segment (``emit._body``; ``returned``:
     the variables the function's ``return`` reads, which its statements must keep). Empty
@@ -70,6 +78,8 @@ def emit_segments(rank_program: RankProgram, schedule: list[str], body: Callable
         "BOUNDARY_OUT", "segment: messages sent after its forward, in order (tag, to rank, gradient comes back)",
         {segment: ", ".join(f"({action.tag}, {action.dst}, {action.gradient})" for action in actions) for segment, actions in sent.items() if actions},
     )
+    if releases is not None:
+        lines += _releases_table(rank_program.rank, releases)
     needed_from_prologue = sorted({
         var for segment, part in segments.items() if segment != PROLOGUE for action in part.actions for var in reads(action)
         if var in prologue_vars
@@ -83,6 +93,17 @@ def emit_segments(rank_program: RankProgram, schedule: list[str], body: Callable
     listed = ", ".join(f"{segment!r}: {segment_function_name(segment)}" for segment in segments if segment != PROLOGUE)
     lines.append(f"SEGMENTS = {{{listed}}}")
     return lines
+
+
+def _releases_table(rank: int, releases: dict[Message, list[Message]]) -> list[str]:
+    comment = "message received (from rank, tag, is a gradient): the messages sent (to rank, tag, is a gradient) it proves taken"
+    if not releases:
+        return [f"RELEASES = {{}}  # {comment}"]
+    lines = [f"RELEASES = {{  # {comment}"]
+    for received, sent in releases.items():
+        entries = ", ".join(repr((message.dst, message.tag, message.gradient)) for message in sent)
+        lines.append(f"    {(received.src, received.tag, received.gradient)!r}: [{entries}],")
+    return [*lines, "}"]
 
 
 def _table(name: str, comment: str, rows: dict[Segment, str]) -> list[str]:

@@ -87,8 +87,8 @@ class Communicator(Protocol):
     def release_send(self, dst: int, tag: int) -> None:
         """The send to ``dst`` with ``tag`` is known received (``dst`` answered it): finish it and drop its copy.
 
-        Call it only where the peer's receive is known to have been posted (a pipeline's activation, once its
-        gradient came back); otherwise it may wait for the peer."""
+        Call it only where the peer's receive is known to have been posted (a pipeline's message, once a message
+        the peer sent after taking it arrived: the generated ``RELEASES`` table); otherwise it may wait for the peer."""
 
     def barrier(self) -> None:
         """Wait for every rank of the world."""

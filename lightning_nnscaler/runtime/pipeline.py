@@ -139,7 +139,11 @@ class PipelineRun:
         backward = backward and segment in self.with_backward
         received = {}
         for tag, src, shape, dtype, gradient in self.module.BOUNDARY_IN.get(segment, []):
-            tensor = self.local_activations.pop(tag) if src == self.rank else self.communicator.recv(shape, dtype, src, tag)
+            if src == self.rank:
+                tensor = self.local_activations.pop(tag)
+            else:
+                tensor = self.communicator.recv(shape, dtype, src, tag)
+                self._release_after((src, tag, False))
             if backward and gradient:
                 tensor = tensor.detach().requires_grad_()
             received[tag] = tensor
@@ -178,7 +182,7 @@ class PipelineRun:
                 gradient = self.local_gradients.pop(tag)
             else:
                 gradient = self.communicator.recv(value.shape, value.dtype, dst, tag + BACKWARD_TAG_OFFSET)
-                self.communicator.release_send(dst, tag)  # dst received it before it sent its gradient back
+                self._release_after((dst, tag, True))
             if value.requires_grad:
                 roots.append(value)
                 gradients.append(gradient)
@@ -210,6 +214,11 @@ class PipelineRun:
                 self.local_gradients[tag] = gradient
             else:
                 self.communicator.send(gradient, src, tag + BACKWARD_TAG_OFFSET)
+
+    def _release_after(self, received: tuple[int, int, bool]) -> None:
+        """Drop the copies of the sent messages that the receipt of ``received`` proves taken (the module's ``RELEASES``)."""
+        for dst, tag, gradient in getattr(self.module, "RELEASES", {}).get(received, ()):
+            self.communicator.release_send(dst, tag + BACKWARD_TAG_OFFSET if gradient else tag)
 
     def weights(self, stage: int, microbatch: int) -> None:
         """W: accumulate the segment's weight gradients from the root its B kept."""

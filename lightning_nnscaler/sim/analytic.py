@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_nnscaler.materialize.releases import Posted, send_releases
 from lightning_nnscaler.schedules import lower, one_f_one_b
 from lightning_nnscaler.sim.costs import roofline_seconds
 from lightning_nnscaler.sim.specs import HardwareSpec
@@ -50,6 +51,7 @@ def transformer_task_lists(shape: TransformerShape, spec: HardwareSpec, *, dp: i
     stage_tasks = [_stage_tasks(shape, spec, stage, tp=tp, pp=pp) for stage in range(pp)]
     activation = shape.microbatch_size * shape.seq_len * shape.hidden * shape.dtype_bytes
     keys = [[_key(action) for action in column] for column in schedule.actions]
+    released = _released_counts(schedule.actions)
     lists: list[list[Task]] = []
     for rank in range(dp * tp * pp):
         replica, rest = divmod(rank, pp * tp)
@@ -62,10 +64,12 @@ def transformer_task_lists(shape: TransformerShape, spec: HardwareSpec, *, dp: i
         tasks_of = {"F": (forward_task, tensor_parallel), "B": (backward_task, tensor_parallel)}
         for column in {stage - 1, stage + 1} & set(range(pp)):
             peer = (replica * pp + column) * tp + piece
-            # a gradient from the next stage proves it received the activation sent to it: the runtime drops that copy
-            released = activation if column == stage + 1 else 0
-            tasks_of[column, "send"], tasks_of[column, "recv"] = (Send(peer, activation),), (Recv(peer, releases=released),)
-        tasks = [task for key in keys[stage] for task in tasks_of[key]]
+            tasks_of[column, "send"] = (Send(peer, activation),)
+            # a receive drops the copies of the messages its sender had taken before sending it (materialize.releases)
+            for count in set(released[stage]):
+                tasks_of[column, "recv", count] = (Recv(peer, releases=count * activation),)
+        tasks = [task for key, count in zip(keys[stage], released[stage], strict=True)
+                 for task in tasks_of[(*key, count) if isinstance(key, tuple) and key[1] == "recv" else key]]
         tasks += [Collective("all_reduce", dp_group, int(weight_bytes), "gradients", blocking=False), WaitCollectives(), optimizer]
         lists.append(tasks)
     return lists
@@ -83,6 +87,28 @@ def _stage_tasks(shape: TransformerShape, spec: HardwareSpec, stage: int, *, tp:
     kept += b * s * shape.vocab * shape.dtype_bytes // tp if head else 0  # the logits, for the softmax's backward
     optimizer = Compute(7 * 2 * weight_bytes / spec.memory_bandwidth, "optimizer")  # fp32 master weights and moments
     return Compute(forward, "forward", activation_bytes=kept), Compute(2 * forward, "backward", activation_bytes=-kept), optimizer, weight_bytes
+
+
+def _released_counts(columns) -> list[list[int]]:
+    """Per column and action: how many of the column's sent messages a receive proves taken (0 for other actions)."""
+    sequences, sent, received = [], {}, {}
+    for column, actions in enumerate(columns):
+        posts = []
+        for action in actions:
+            if action.kind.is_compute:
+                continue
+            pair = (column, action.peer) if action.kind.is_send else (action.peer, column)
+            counter = sent if action.kind.is_send else received
+            counter[pair] = counter.get(pair, 0) + 1
+            posts.append(Posted("send" if action.kind.is_send else "recv", action.peer, (*pair, counter[pair])))
+        sequences.append(posts)
+    releases = send_releases(sequences)
+    counts = []
+    for column, (actions, posts) in enumerate(zip(columns, sequences, strict=True)):
+        received_messages = iter(post.message for post in posts if post.kind == "recv")
+        counts.append([0 if action.kind.is_compute or action.kind.is_send else len(releases[column].get(next(received_messages), ()))
+                       for action in actions])
+    return counts
 
 
 def _key(action) -> object:

@@ -14,7 +14,8 @@ gradients, when the schedule splits W off), the gradient sends; ``W`` the whole 
 (``runtime.pipeline``'s W differentiates B's kept root for the weights, which walks the input-gradient
 chain once more to reach them: a zero-bubble step computes 1.5 backwards). Activations (what autograd saves
 for backward, ``materialize.kept``, as ``explain`` counts them) are added at F and freed at
-the last backward half.
+the last backward half. A boundary message's copy is released at the receive that proves its peer took it
+(``materialize.releases``, as the generated ``RELEASES`` table does in the runtime).
 Each of these compute tasks is labelled with its action (``1F0``; the prologue ``prologue``), so a
 recorded timeline names it.
 """
@@ -29,6 +30,7 @@ from lightning_nnscaler.ir.tensor import dtype_bytes
 from lightning_nnscaler.materialize.program import Assemble, Collective, Compute as ComputeAction, Program, Recv as RecvAction, Send as SendAction
 from lightning_nnscaler.sim.costs import FLOATING, ComputeModel
 from lightning_nnscaler.materialize.kept import KeptBytes, backward_seed_bytes
+from lightning_nnscaler.materialize.releases import Message, pipeline_releases
 from lightning_nnscaler.sim.tasks import Collective as CollectiveTask, Compute, Recv, Send, Task, WaitCollectives
 from lightning_nnscaler.sim.transient import OpMemory, TransientBytes, backward_peaks
 
@@ -88,6 +90,9 @@ class TaskBuilder:
         }
         self.element_bytes = {tensor.name: dtype_bytes(tensor.dtype) for tensor in plan.graph.parameters}
         self.trained = {tensor.name for tensor in plan.graph.parameters if tensor.requires_grad}
+        self.releases = pipeline_releases(self.program, [[str(action) for action in plan.pipeline.actions(rank)]
+                                                          for rank in range(self.program.world_size)]) if plan.pipeline else None
+        """Per rank, which sent messages each received one proves taken (the runtime's ``RELEASES``)."""
         self._made: set[str] = set()
         """Parameter pieces whose gradients exist so far in the rank's step being built."""
 
@@ -219,12 +224,13 @@ class TaskBuilder:
             segment = segments.get((action.stage, action.microbatch), _Segment())
             kind = action.kind.value
             if kind == "F":
-                tasks += [Recv(message.src) for message in segment.inputs if message.src != rank]
+                tasks += [Recv(message.src, releases=self._released(rank, Message(message.src, rank, message.tag, False)))
+                          for message in segment.inputs if message.src != rank]
                 tasks += self._forward(segment, rank, keep=action.stage in backward_stages, label=str(action))
                 tasks += [Send(message.dst, self.message_bytes.get((rank, message.dst, message.tag), 0)) for message in segment.outputs if message.dst != rank]
             elif kind == "B":
                 seed = seeds.get((action.stage, action.microbatch), 0)  # held while B runs (until W when split)
-                tasks += [Recv(message.dst, releases=self.message_bytes.get((rank, message.dst, message.tag), 0))
+                tasks += [Recv(message.dst, releases=self._released(rank, Message(message.dst, rank, message.tag, True)))
                           for message in segment.outputs if message.dst != rank and message.gradient]
                 tasks.append(Compute(0.0, "backward", str(action), activation_bytes=seed))
                 tasks += self._backward(segment, rank, 0.5 if splits else 1.0, release=not splits, label=str(action))
@@ -237,6 +243,17 @@ class TaskBuilder:
                 tasks.append(Compute(sum(item.backward * WEIGHT_PASS_SHARE + item.recompute for item in chunks), "weight",
                                      str(action), activation_bytes=-(segment.kept + seed)))
         return tasks
+
+    def _released(self, rank: int, received: Message) -> int:
+        """Bytes of the messages ``rank`` sent whose copies it drops on receiving ``received`` (``materialize.releases``)."""
+        released = self.releases[rank].get(received, ()) if self.releases else ()
+        return sum(self._message_bytes(message) for message in released)
+
+    def _message_bytes(self, message: Message) -> int:
+        """Bytes of a boundary message: a gradient has its activation's (which went the other way)."""
+        if message.gradient:
+            return self.message_bytes.get((message.dst, message.src, message.tag), 0)
+        return self.message_bytes.get((message.src, message.dst, message.tag), 0)
 
     # --- gradient reduction and the optimizer step -------------------------------------------------------
 

@@ -48,7 +48,7 @@ class RankStats:
     """How many of those existed when ``peak_live_bytes`` was reached."""
     sent_bytes: int = 0
     """Copies of the messages the rank sent and still holds: the runtime keeps each until it waits for its sends
-    after backward, or, for a pipeline activation, until its gradient comes back (``Recv.releases``)."""
+    after backward, or, in a pipeline, until a later message from the peer proves it taken (``Recv.releases``)."""
 
     def note_live(self, nbytes: int) -> None:
         """Raise ``peak_live_bytes`` to ``nbytes`` plus the messages sent so far when it is higher (and note the

@@ -12,7 +12,8 @@ live activations, for the memory peak over the schedule; ``Compute.transient_byt
 above the live bytes it started from while it runs (outputs not yet freed, gradients in flight);
 ``Compute.gradient_bytes`` the parameter gradients it makes that live to the step's end. A ``Send``'s bytes
 count towards its sender's memory from the send until a ``Recv`` releases them or the step ends: the runtime
-sends a copy and waits for its sends after backward, or for a pipeline activation once its gradient is back.
+sends a copy and waits for its sends after backward, or, in a pipeline, once a later message from the peer
+proves it taken (``materialize.releases``).
 
 Tasks are named tuples: a 1024-rank step has millions of them, and a tuple is built several times faster
 than a frozen dataclass.
@@ -47,7 +48,7 @@ class Send(NamedTuple):
 
 class Recv(NamedTuple):
     """Wait for the next message from ``peer``; its arrival proves ``peer`` received ``releases`` bytes this rank
-    sent it (a pipeline activation whose gradient this is), whose copy the rank then drops."""
+    sent it (``materialize.releases``), whose copies the rank then drops."""
 
     peer: int
     label: str = ""
