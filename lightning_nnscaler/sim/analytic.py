@@ -10,10 +10,11 @@ activation between stages; the gradient all-reduce of the rank's ``12·h²`` par
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_nnscaler.materialize.releases import Posted, send_releases
-from lightning_nnscaler.schedules import lower, one_f_one_b
+from lightning_nnscaler.schedules import Action, lower, one_f_one_b
 from lightning_nnscaler.sim.costs import roofline_seconds
 from lightning_nnscaler.sim.specs import HardwareSpec
 from lightning_nnscaler.sim.tasks import Collective, Compute, Recv, Send, Task, WaitCollectives
@@ -89,7 +90,7 @@ def _stage_tasks(shape: TransformerShape, spec: HardwareSpec, stage: int, *, tp:
     return Compute(forward, "forward", activation_bytes=kept), Compute(2 * forward, "backward", activation_bytes=-kept), optimizer, weight_bytes
 
 
-def _released_counts(columns) -> list[list[int]]:
+def _released_counts(columns: Sequence[Sequence[Action]]) -> list[list[int]]:
     """Per column and action: how many of the column's sent messages a receive proves taken (0 for other actions)."""
     sequences, sent, received = [], {}, {}
     for column, actions in enumerate(columns):
