@@ -13,6 +13,10 @@
 - **Recompute per stage is op_recompute**: on the ranks of ``recompute_stages`` each segment is one
   recompute group (``recompute_segments``). Under 1F1B stage ``r`` of ``p`` stashes ``p - r``
   microbatches, so recomputing the first stages saves the most memory for the least time.
+- **Co-shard per stage is op_trans, op_assign and op_recompute** (``plans.coshard`` inside a stage): on
+  the ranks of ``coshard_stages`` each segment's Megatron splits are cut into ``shards`` pieces per rank,
+  run one after another, each its own recompute group, so a stashed microbatch keeps only what enters
+  the pieces and its backward holds one shard's activations at a time.
 
 Inside a stage, ``tp > 1`` splits each segment's ops Megatron-style over the stage's tensor-parallel
 ranks. Ranks form the grid ``dp × pp × tp`` (tp fastest): stage ``s`` lives on pipeline column
@@ -51,48 +55,48 @@ PROLOGUE_STAGE = PROLOGUE[0]
 
 def gpipe_plan(
     graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None, layers_per_stage: str | None = None,
-    recompute_stages: str | None = None,
+    recompute_stages: str | None = None, coshard_stages: str | None = None, shards: int = 2,
 ) -> None:
     """GPipe (Huang et al. 2019): all forwards, then all backwards; ``stages`` ranks (default: all)."""
     pipeline(
         graph, ctx, schedule="gpipe", stages=stages, microbatches=microbatches, layers_per_stage=layer_counts(layers_per_stage),
-        recompute_stages=stage_indices(recompute_stages),
+        recompute_stages=stage_indices(recompute_stages), **_coshard(coshard_stages, shards),
     )
 
 
 def one_f_one_b_plan(
     graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None, layers_per_stage: str | None = None,
-    recompute_stages: str | None = None,
+    recompute_stages: str | None = None, coshard_stages: str | None = None, shards: int = 2,
 ) -> None:
     """1F1B (PipeDream-Flush): warm-up forwards, then one forward one backward; at most p microbatches stashed
     (``p - r`` on stage ``r``, so recomputing the first stages saves the most)."""
     pipeline(
         graph, ctx, schedule="1f1b", stages=stages, microbatches=microbatches, layers_per_stage=layer_counts(layers_per_stage),
-        recompute_stages=stage_indices(recompute_stages),
+        recompute_stages=stage_indices(recompute_stages), **_coshard(coshard_stages, shards),
     )
 
 
 def interleaved_plan(
     graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None, virtual_stages: int = 2,
-    layers_per_stage: str | None = None, recompute_stages: str | None = None,
+    layers_per_stage: str | None = None, recompute_stages: str | None = None, coshard_stages: str | None = None, shards: int = 2,
 ) -> None:
     """Interleaved 1F1B (Megatron): ``virtual_stages`` model chunks per rank; the bubble shrinks by that factor.
     ``recompute_stages`` names pipeline ranks (columns): every chunk of a named rank is recomputed."""
     pipeline(
         graph, ctx, schedule="interleaved", stages=stages, microbatches=microbatches, virtual_stages=virtual_stages,
-        layers_per_stage=layer_counts(layers_per_stage), recompute_stages=stage_indices(recompute_stages),
+        layers_per_stage=layer_counts(layers_per_stage), recompute_stages=stage_indices(recompute_stages), **_coshard(coshard_stages, shards),
     )
 
 
 def zb1_plan(
     graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None, layers_per_stage: str | None = None,
-    recompute_stages: str | None = None,
+    recompute_stages: str | None = None, coshard_stages: str | None = None, shards: int = 2,
 ) -> None:
     """Zero-bubble ZB-H1 (Qi et al. 2024): backward split into input gradients (B) and weight gradients (W).
     A recomputed stage runs its forward again in B and again in W (each backward pass recomputes)."""
     pipeline(
         graph, ctx, schedule="zb1", stages=stages, microbatches=microbatches, layers_per_stage=layer_counts(layers_per_stage),
-        recompute_stages=stage_indices(recompute_stages),
+        recompute_stages=stage_indices(recompute_stages), **_coshard(coshard_stages, shards),
     )
 
 
@@ -122,20 +126,20 @@ def layer_counts(text: str | None) -> list[int] | None:
     return counts
 
 
-def stage_indices(text: str | None) -> list[int] | None:
-    """``"0,1"`` -> ``[0, 1]`` (None stays None): the ``recompute_stages`` of a recipe.
+def stage_indices(text: str | None, key: str = "recompute_stages") -> list[int] | None:
+    """``"0,1"`` -> ``[0, 1]`` (None stays None): a recipe's ``key`` (``recompute_stages``, ``coshard_stages``).
 
     Raises:
-        ValueError: naming ``recompute_stages`` when an entry is not a non-negative integer or repeats.
+        ValueError: naming ``key`` when an entry is not a non-negative integer or repeats.
     """
-    indices = comma_integers(text, "recompute_stages", "stage indices", "0,1")
+    indices = comma_integers(text, key, "stage indices", "0,1")
     if indices is None:
         return None
     if any(index < 0 for index in indices):
-        raise ValueError(f"recompute_stages must be stage indices >= 0 (stage 0 is the first), got {text!r}")
+        raise ValueError(f"{key} must be stage indices >= 0 (stage 0 is the first), got {text!r}")
     repeated = sorted({index for index in indices if indices.count(index) > 1})
     if repeated:
-        raise ValueError(f"recompute_stages names stage {', '.join(map(str, repeated))} more than once in {text!r}; name each stage once")
+        raise ValueError(f"{key} names stage {', '.join(map(str, repeated))} more than once in {text!r}; name each stage once")
     return indices
 
 
@@ -156,10 +160,16 @@ def interlaced_plan(
 
 def hybrid3d(
     graph: Graph, ctx: PlanContext, *, dp: int = 1, tp: int = 1, pp: int = 2, microbatches: int | None = None,
-    recompute_stages: str | None = None,
+    recompute_stages: str | None = None, coshard_stages: str | None = None, shards: int = 2,
 ) -> None:
     """dp × tp × pp: ``dp`` replicas, each a 1F1B pipeline of ``pp`` stages, each stage Megatron-split over ``tp`` ranks."""
-    pipeline(graph, ctx, schedule="1f1b", stages=pp, microbatches=microbatches, dp=dp, tp=tp, recompute_stages=stage_indices(recompute_stages))
+    pipeline(graph, ctx, schedule="1f1b", stages=pp, microbatches=microbatches, dp=dp, tp=tp, recompute_stages=stage_indices(recompute_stages),
+             **_coshard(coshard_stages, shards))
+
+
+def _coshard(coshard_stages: str | None, shards: int) -> dict[str, Any]:
+    """The ``pipeline`` arguments of a recipe's ``coshard_stages`` and ``shards``."""
+    return {"coshard_stages": stage_indices(coshard_stages, "coshard_stages"), "shards": shards}
 
 
 def pipeline_layout(world_size: int, params: dict[str, Any]) -> RecipeLayout:
@@ -182,6 +192,7 @@ def pipeline(
     graph: Graph, ctx: PlanContext, *, schedule: str, stages: int | None = None, microbatches: int | None = None,
     virtual_stages: int = 1, dp: int | None = None, tp: int = 1, shared_layers: Sequence[str] | None = None,
     layers_per_stage: Sequence[int] | None = None, recompute_stages: Sequence[int] | None = None,
+    coshard_stages: Sequence[int] | None = None, shards: int = 2,
 ) -> None:
     """Plan ``graph`` as a pipeline (see the module docstring); sets ``ctx.pipeline``.
 
@@ -199,14 +210,21 @@ def pipeline(
             ``stages × virtual_stages`` counts) holds, instead of cuts balanced by cost (see ``model_layers``).
         recompute_stages: Pipeline ranks (0 … stages - 1) whose activations are recomputed in backward
             (``recompute_segments``); for interleaved, every chunk of each named rank. Not for 3f1b or interlaced.
+        coshard_stages: Pipeline ranks whose segments are co-sharded: Megatron splits cut into ``shards`` pieces
+            per rank (times ``tp``), run one after another, each recomputed alone (``plans.coshard``). Not
+            for 3f1b or interlaced, nor for a stage also in ``recompute_stages``.
+        shards: Pieces per rank of each split on the ``coshard_stages`` (at least 2).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if recompute_stages and schedule in ("3f1b", "interlaced"):
-        raise ValueError(
-            f"{schedule}: recompute_stages is not supported (its forward-only or shared stages are not one rank's own); "
-            "use it with gpipe, 1f1b, zb1, interleaved or hybrid3d"
-        )
+    for key, named in (("recompute_stages", recompute_stages), ("coshard_stages", coshard_stages)):
+        if named and schedule in ("3f1b", "interlaced"):
+            raise ValueError(
+                f"{schedule}: {key} is not supported (its forward-only or shared stages are not one rank's own); "
+                "use it with gpipe, 1f1b, zb1, interleaved or hybrid3d"
+            )
+    if coshard_stages and (not isinstance(shards, int) or isinstance(shards, bool) or shards < 2):
+        raise ValueError(f"pipeline: shards must be an int >= 2 for coshard_stages {list(coshard_stages)}, got {shards!r}")
     if schedule == "3f1b":
         virtual_stages = count_recycles(graph)
     elif schedule != "interleaved" and virtual_stages != 1:
@@ -220,6 +238,13 @@ def pipeline(
     if min(pp, dp, tp) < 1 or dp * pp * tp != ctx.world_size:
         raise ValueError(f"pipeline: dp ({dp}) × stages ({pp}) × tp ({tp}) must equal world_size ({ctx.world_size})")
     _check_recompute_stages(recompute_stages, pp)
+    _check_recompute_stages(coshard_stages, pp, "coshard_stages")
+    both = sorted(set(recompute_stages or ()) & set(coshard_stages or ()))
+    if both:
+        raise ValueError(
+            f"pipeline: stage {', '.join(map(str, both))} is in both recompute_stages and coshard_stages; "
+            "a co-sharded stage already recomputes, one shard at a time: name it in one of them"
+        )
     batch = _batch_rows(graph)
     if batch % dp:
         raise ValueError(f"pipeline: the batch ({batch} rows) must divide into {dp} data-parallel replicas")
@@ -240,7 +265,7 @@ def pipeline(
     else:
         cut = cut_stages(graph, pp * virtual_stages, forward_only=order.forward_only, layers_per_stage=layers_per_stage)
     grid = DeviceGrid.of(dp=dp, pp=pp, tp=tp)
-    choose = megatron_choice(graph) if tp > 1 else None
+    choose = megatron_choice(graph) if tp > 1 or coshard_stages else None
     origins = [op.name for op in graph.ops]
     pieces = split_batch(graph, dp * microbatches)
     check_microbatches_split(pieces)
@@ -271,8 +296,8 @@ def pipeline(
         for whole in walk.whole:
             for copy, rank in zip(replicate(graph, whole, pp), ranks):
                 op_assign(graph, copy, rank, segment=(pp + 1, microbatch))
-    if tp > 1:
-        _split_stages(graph, tp, grid, order, choose)
+    if tp > 1 or coshard_stages:
+        _split_stages(graph, tp, grid, order, choose, {column: shards for column in coshard_stages or ()})
     if recompute_stages:
         recompute_segments(graph, order, recompute_stages)
     ctx.pipeline = PipelinePlan(order, tuple(grid.coordinate(rank, "pp") for rank in range(ctx.world_size)))
@@ -294,21 +319,21 @@ def recompute_segments(graph: Graph, order: Schedule, columns: Sequence[int]) ->
             op_recompute(graph, op, stage * order.microbatches + microbatch)
 
 
-def _check_recompute_stages(recompute_stages: Sequence[int] | None, stages: int) -> None:
-    """Raises ValueError naming ``recompute_stages`` when a stage is out of range or named twice."""
+def _check_recompute_stages(recompute_stages: Sequence[int] | None, stages: int, key: str = "recompute_stages") -> None:
+    """Raises ValueError naming ``key`` (``recompute_stages``, ``coshard_stages``) when a stage is out of range or named twice."""
     if not recompute_stages:
         return
     indices = list(recompute_stages)
     if any(isinstance(index, bool) or not isinstance(index, int) for index in indices):
-        raise ValueError(f"pipeline: recompute_stages must be stage indices (ints), got {indices!r}")
+        raise ValueError(f"pipeline: {key} must be stage indices (ints), got {indices!r}")
     outside = [index for index in indices if not 0 <= index < stages]
     if outside:
         raise ValueError(
-            f"pipeline: recompute_stages {indices} names stage {', '.join(map(str, outside))}, outside the pipeline's "
+            f"pipeline: {key} {indices} names stage {', '.join(map(str, outside))}, outside the pipeline's "
             f"{stages} stages (0 to {stages - 1}; for interleaved, a stage is a pipeline rank and all its chunks)"
         )
     if len(set(indices)) != len(indices):
-        raise ValueError(f"pipeline: recompute_stages {indices} names a stage more than once; name each stage once")
+        raise ValueError(f"pipeline: {key} {indices} names a stage more than once; name each stage once")
 
 
 def place_shared(graph: Graph, piece: Op, shared: SharedLayers, ranks: list[int], segment: tuple[int, int]) -> None:
@@ -652,18 +677,35 @@ def _crossing_bytes(ops: Sequence[Op]) -> list[int]:
 # --- tensor parallelism inside stages --------------------------------------------------------------
 
 
-def _split_stages(graph: Graph, tp: int, grid: DeviceGrid, order: Schedule, choose) -> None:
-    """Megatron-split each (replica, stage, microbatch) segment's ops over its stage's ``tp`` ranks."""
+def _split_stages(graph: Graph, tp: int, grid: DeviceGrid, order: Schedule, choose, shards: dict[int, int]) -> None:
+    """Megatron-split each (replica, stage, microbatch) segment's ops over its stage's ``tp`` ranks; on a pipeline
+    column in ``shards`` (column -> pieces per rank), into ``tp × shards`` pieces, ``shards`` consecutive ones per
+    rank, each stretch of each piece its own recompute group (``plans.coshard``)."""
     by_segment: dict[tuple[int, tuple[int, int]], list[str]] = {}
     for op in graph.ops:
         if op.segment != PROLOGUE:
             by_segment.setdefault((op.device, op.segment), []).append(op.name)
+    groups: dict[int, int] = {}  # rank -> recompute groups used so far (a group never spans segments)
     for (first_rank, segment), names in by_segment.items():
         ranks = list(range(first_rank, first_rank + tp))
-        walk = tensor_parallel(graph, tp, names, choose)
+        pieces_per_rank = shards.get(order.stage_ranks[segment[0]], 1)
+        parts = tp * pieces_per_rank
+        if parts == 1:
+            continue
+        walk = tensor_parallel(graph, parts, names, choose)
         for pieces in walk.split:
             for index, piece in enumerate(pieces):
                 op_assign(graph, piece, ranks[index * tp // len(pieces)], segment=segment)
         for op in walk.whole:
-            for index, copy in enumerate(replicate(graph, op, tp)):
-                op_assign(graph, copy, ranks[index], segment=segment)
+            if tp > 1:
+                for index, copy in enumerate(replicate(graph, op, tp)):
+                    op_assign(graph, copy, ranks[index], segment=segment)
+        if pieces_per_rank > 1:
+            base = groups.get(first_rank, 0)
+            runs = walk.runs()
+            for stretch, run in enumerate(runs):
+                for pieces in run:
+                    for index, piece in enumerate(pieces):
+                        op_recompute(graph, piece.name, base + stretch * parts + index)
+            groups[first_rank] = base + len(runs) * parts
+

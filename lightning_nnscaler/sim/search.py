@@ -4,13 +4,15 @@ traced graph and predicted by the simulator; the fastest that fits the memory li
 A candidate is a recipe and its parameters (``candidates``): data parallelism (dp, ZeRO 1 and 3), tensor
 parallelism at each degree (tp, hybrid dp × tp, sp), co-shard (shards, recompute), the pipelines (gpipe, 1f1b,
 zb1, interleaved, 3f1b, interlaced: stages, microbatches, virtual stages) and dp × tp × pp (hybrid3d); 1f1b, zb1 and
-hybrid3d also with the first stage recomputed, and with every stage (``RECOMPUTED_PIPELINES``). Each is planned on a
+hybrid3d also with per-stage choices (``RECOMPUTED_PIPELINES``): the first stage recomputed, every stage, then the
+first stage co-sharded (two pieces per rank of each split, each recomputed alone), every stage. Each is planned on a
 copy of the graph, checked as ``parallelize`` checks it (the recipe's own ``ValueError``, the coverage check),
 materialized, and simulated with ``predict`` on the spec's roofline (deterministic: every rank of a run
 searches alike and gets the same plan). A candidate that cannot be built, or whose predicted peak exceeds the
-limit on some rank, stays in the result with the reason. A recompute variant is only built when the plan
-recomputing less (without recompute, then the first stage only) is over the limit: recompute only adds time,
-so where that plan fits, it is faster.
+limit on some rank, stays in the result with the reason. The per-stage variants form two chains from the plain
+plan, recompute and co-shard, each first stage, then every stage; a variant is only built when the one before it
+in its chain (the plain plan first) is over the limit: each adds time and saves memory over the one before, so
+where that one fits, it is faster.
 """
 
 from __future__ import annotations
@@ -37,7 +39,11 @@ FAMILIES = ("dp", "zero1", "zero3", "tp", "sp", "hybrid", "coshard", "gpipe", "1
 PIPELINES = ("gpipe", "1f1b", "zb1", "interleaved", "3f1b", "interlaced")
 MICROBATCH_CHOICES = 3  # per stage count: the smallest divisors of the replica's batch that are >= stages
 RECOMPUTED_PIPELINES = ("1f1b", "zb1", "hybrid3d")
-"""Searched with ``recompute_stages`` too: the first stage (under 1F1B stage r stashes p - r microbatches) and every stage."""
+"""Searched with per-stage choices too (``STAGE_OPTIONS``): recomputed, then co-sharded, the first stage (under 1F1B
+stage r stashes p - r microbatches) and every stage."""
+STAGE_OPTIONS = ("recompute_stages", "coshard_stages", "shards")
+"""The per-stage parameters of a pipeline candidate; without them it is the plain plan."""
+COSHARD_SHARDS = 2
 
 
 @dataclass(frozen=True)
@@ -56,11 +62,17 @@ class Candidate:
         return " ".join([self.recipe, *(f"{key}={value}" for key, value in self.params)])
 
     @property
-    def without_recompute(self) -> Candidate | None:
-        """For a candidate with ``recompute_stages``, the same one without it; None for the others."""
-        if "recompute_stages" not in self.kwargs:
+    def chain(self) -> str | None:
+        """Which per-stage chain the candidate belongs to (``recompute``, ``coshard``); None for a plain plan."""
+        kwargs = self.kwargs
+        return "recompute" if "recompute_stages" in kwargs else "coshard" if "coshard_stages" in kwargs else None
+
+    @property
+    def plain(self) -> Candidate | None:
+        """For a candidate with per-stage choices (``STAGE_OPTIONS``), the same one without them; None for the others."""
+        if not any(key in STAGE_OPTIONS for key in self.kwargs):
             return None
-        return Candidate(self.recipe, tuple((key, value) for key, value in self.params if key != "recompute_stages"))
+        return Candidate(self.recipe, tuple((key, value) for key, value in self.params if key not in STAGE_OPTIONS))
 
 
 @dataclass
@@ -214,8 +226,10 @@ def candidates(world_size: int, batch_rows: int, families: Sequence[str] = FAMIL
             found.append(Candidate(recipe, tuple(params.items())))
             if recipe in RECOMPUTED_PIPELINES:
                 stages = params.get("pp") or params["stages"]
-                for recomputed in ("0", ",".join(map(str, range(stages)))):
-                    found.append(Candidate(recipe, (*params.items(), ("recompute_stages", recomputed))))
+                for named in ("0", ",".join(map(str, range(stages)))):
+                    found.append(Candidate(recipe, (*params.items(), ("recompute_stages", named))))
+                for named in ("0", ",".join(map(str, range(stages)))):
+                    found.append(Candidate(recipe, (*params.items(), ("coshard_stages", named), ("shards", COSHARD_SHARDS))))
 
     def microbatches(replicas: int, stages: int, multiple_of: int = 1) -> list[int]:
         rows = batch_rows // replicas if batch_rows % replicas == 0 else 0
@@ -302,12 +316,13 @@ def search(
     hardware = load_spec(spec) if isinstance(spec, str) else spec
     limit = memory_limit(hardware, memory_limit_gb)
     outcomes: list[Outcome] = []
-    recomputing_less: dict[Candidate, Outcome] = {}  # a plan without recompute -> its latest variant (the plan itself first)
+    saving_less: dict[tuple[Candidate, str | None], Outcome] = {}  # (plain plan, chain) -> the chain's latest outcome
     for candidate in candidates(world_size, batch_rows(graph), families, max_pp=max_pp):
-        plain = candidate.without_recompute
-        unneeded = _recompute_unneeded(recomputing_less[plain]) if plain in recomputing_less else ""
+        plain, chain = candidate.plain, candidate.chain
+        less = saving_less.get((plain, chain)) or saving_less.get((plain, None))
+        unneeded = _variant_unneeded(less) if less is not None else ""
         outcome = Outcome(candidate, reason=unneeded) if unneeded else _evaluate(graph, world_size, candidate, hardware, limit, device)
-        recomputing_less[plain or candidate] = outcome
+        saving_less[plain or candidate, chain] = outcome
         outcomes.append(outcome)
     order = {outcome.candidate: index for index, outcome in enumerate(outcomes)}
     outcomes.sort(key=lambda outcome: (not outcome.fits, outcome.step_seconds if outcome.step_seconds is not None else float("inf"),
@@ -331,10 +346,10 @@ def _evaluate(graph: Graph, world_size: int, candidate: Candidate, spec: Hardwar
     return outcome
 
 
-def _recompute_unneeded(less: Outcome) -> str:
-    """Why a recompute variant is not built (empty: build it), from ``less``, the plan recomputing less."""
+def _variant_unneeded(less: Outcome) -> str:
+    """Why a per-stage variant is not built (empty: build it), from ``less``, the variant before it (saving less memory)."""
     if less.fits:
-        return f"not built: {less.candidate} fits the limit recomputing less, and recompute only adds time"
+        return f"not built: {less.candidate} fits the limit saving less memory, and each saving adds time"
     if less.built is None:
         return less.reason if less.reason.startswith("not built") else f"not built: {less.candidate} cannot be built"
     return ""

@@ -23,6 +23,8 @@ GPT_PIPELINES = [
     ("gpipe", "gpipe", {}), ("1f1b", "1f1b", {}), ("interleaved", "interleaved", {"virtual_stages": 2}), ("zb1", "zb1", {}),
     # the first stage recomputed: checkpointed segments under 1F1B, and under zero-bubble's split B and W
     ("1f1b recompute_stages=0", "1f1b", {"recompute_stages": "0"}), ("zb1 recompute_stages=0", "zb1", {"recompute_stages": "0"}),
+    # the last stage co-sharded: two pieces of each split, one after another, each recomputed alone
+    ("1f1b coshard_stages=1", "1f1b", {"coshard_stages": "1", "shards": 2}),
 ]
 ALSO_AT = {4: [], 2: [("mbart", [("interlaced", "interlaced", {})]), ("gpt", GPT_PIPELINES)]}
 """Pipelines trained in the same launch at that rank count (4 ranks: tests/integration/test_pipelines_gloo.py)."""

@@ -67,13 +67,14 @@ def test_candidates_cover_the_degrees_and_respect_max_pp() -> None:
     assert not [name for name in found if "stages=4" in name or "pp=4" in name]
 
 
-def test_1f1b_zb1_and_hybrid3d_are_also_candidates_recomputing_the_first_stage_and_every_stage() -> None:
+def test_1f1b_zb1_and_hybrid3d_are_also_candidates_recomputing_then_co_sharding_the_first_stage_and_every_stage() -> None:
     found = [str(candidate) for candidate in candidates(4, 8, ("1f1b", "zb1", "hybrid3d", "gpipe"), max_pp=2)]
     start = found.index("1f1b stages=2 microbatches=2")
-    assert found[start:start + 3] == ["1f1b stages=2 microbatches=2", "1f1b stages=2 microbatches=2 recompute_stages=0",
-                                      "1f1b stages=2 microbatches=2 recompute_stages=0,1"]
+    plain = "1f1b stages=2 microbatches=2"
+    assert found[start:start + 5] == [plain, f"{plain} recompute_stages=0", f"{plain} recompute_stages=0,1",
+                                      f"{plain} coshard_stages=0 shards=2", f"{plain} coshard_stages=0,1 shards=2"]
     assert "hybrid3d dp=1 tp=2 pp=2 microbatches=2 recompute_stages=0" in found and "zb1 stages=2 microbatches=4 recompute_stages=0,1" in found
-    assert not [name for name in found if name.startswith("gpipe") and "recompute" in name]
+    assert not [name for name in found if name.startswith("gpipe") and ("recompute" in name or "coshard" in name)]
 
 
 def test_under_a_memory_limit_the_search_recomputes_the_first_stage_only_when_that_fits(gpt_and_batch, graph) -> None:
@@ -89,7 +90,7 @@ def test_under_a_memory_limit_the_search_recomputes_the_first_stage_only_when_th
     assert limited.best.candidate == first.candidate
     chosen = {str(outcome.candidate): outcome for outcome in limited.outcomes}
     assert chosen[str(plain.candidate)].reason.startswith("peak") and not chosen[str(plain.candidate)].fits
-    assert chosen[str(every.candidate)].reason.startswith(f"not built: {first.candidate} fits the limit recomputing less")
+    assert chosen[str(every.candidate)].reason.startswith(f"not built: {first.candidate} fits the limit saving less memory")
     assert every.step_seconds > limited.best.step_seconds and every.peak_bytes <= limit  # it would fit, and is slower
     model, batch = gpt_and_batch
     plan = lnn.parallelize(model, batch, "auto", 4, step="training_step", spec="cpu", memory_limit_gb=limit / 1e9, **families)
@@ -141,3 +142,18 @@ def test_the_catalog_types_the_parameters(gpt_and_batch) -> None:
     model, batch = gpt_and_batch
     with pytest.raises(lnn.RecipeError, match=r"recipe 'auto': parameter 'recipes' expects str, got list"):
         lnn.parallelize(model, batch, "auto", 2, step="training_step", recipes=["dp"])
+
+
+def test_when_recomputing_every_stage_is_over_the_limit_the_search_co_shards_them(graph) -> None:
+    families = {"recipes": "hybrid3d", "max_pp": 2}
+    everything = search(graph, 4, spec="cpu", memory_limit_gb=1e-9, **families)  # nothing fits: every variant is built
+    outcome = {str(outcome.candidate): outcome for outcome in everything.outcomes}
+    plain = "hybrid3d dp=1 tp=2 pp=2 microbatches=4"
+    recomputed, co_sharded = outcome[f"{plain} recompute_stages=0,1"], outcome[f"{plain} coshard_stages=0,1 shards=2"]
+    # a recomputed segment's backward holds all its activations again; a co-sharded one, one piece's at a time
+    assert co_sharded.peak_bytes < recomputed.peak_bytes and co_sharded.step_seconds > recomputed.step_seconds
+    limit = (co_sharded.peak_bytes + recomputed.peak_bytes) / 2
+    limited = search(graph, 4, spec="cpu", memory_limit_gb=limit / 1e9, **families)
+    assert limited.best.candidate.chain == "coshard" and limited.best.peak_bytes <= limit
+    chosen = {str(outcome.candidate): outcome for outcome in limited.outcomes}
+    assert not chosen[plain].fits and not chosen[f"{plain} recompute_stages=0,1"].fits and chosen[f"{plain} coshard_stages=0,1 shards=2"].fits
