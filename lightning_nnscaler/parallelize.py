@@ -36,7 +36,7 @@ from lightning_nnscaler.runtime.executor import RankExecutor, merge_gradients
 from lightning_nnscaler.schedules import Durations, bubble_fraction, execute, grid, lower, theoretical_bubble_fraction, validate
 from lightning_nnscaler.verify import EquivalenceError, evaluate
 
-CODEGEN_VERSION = "5"
+CODEGEN_VERSION = "6"
 
 @dataclass
 class VerifyReport:

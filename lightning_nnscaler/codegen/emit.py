@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from lightning_nnscaler.ir.op import WHOLE_STEP_SCHEDULE
 from lightning_nnscaler.ir.printer import format_argument
 from lightning_nnscaler.ir.randomness import RANDOM_LIKE_OP, RANDOM_OP
 from lightning_nnscaler.ir.vocab import VOCAB_TARGETS
+from lightning_nnscaler.materialize.posts import receive_posts
 from lightning_nnscaler.materialize.releases import Message
 from lightning_nnscaler.materialize.program import Assemble, Collective, Compute, Program, RankOutput, RankProgram, Recv, Send, reads, writes
 
@@ -104,7 +106,9 @@ def emit_rank(
         lines.append(f"    ({output.name!r}, {output.var!r}, {output.seed!r}, {segment_of(output)!r}),")
     lines.append("]")
     lines.extend(_value_tables(program, rank_program))
-    lines.extend(emit_segments(rank_program, schedule if program.pipelined else WHOLE_STEP_SCHEDULE, _body, releases if program.pipelined else None))
+    posts = {key: position for key, position in receive_posts(program).items() if key[1] == rank}
+    body = partial(_body, posts=posts)
+    lines.extend(emit_segments(rank_program, schedule if program.pipelined else WHOLE_STEP_SCHEDULE, body, releases if program.pipelined else None))
     return "\n".join(lines) + "\n"
 
 
@@ -133,12 +137,21 @@ def _value_tables(program: Program, rank_program: RankProgram) -> list[str]:
     return lines
 
 
-def _body(program: RankProgram, returned: set[str]) -> list[str]:
-    """The statements of a segment's actions, each intermediate deleted after its last use (``_dead_after``)."""
+def _body(program: RankProgram, returned: set[str], posts: dict[tuple[int, int, int], float] | None = None) -> list[str]:
+    """The statements of a segment's actions, each intermediate deleted after its last use (``_dead_after``);
+    ``posts`` (``materialize.posts.receive_posts``, this rank's) says where a receive outside a checkpointed block is posted."""
     lines: list[str] = []
     blocks = recompute_blocks(program)
     dead = _dead_after(program, blocks, returned)
+    pending = sorted(
+        (posts[action.src, program.rank, action.tag], action.src, action.tag, action) for index, action in enumerate(program.actions)
+        if isinstance(action, Recv) and (action.src, program.rank, action.tag) in (posts or {}) and index not in blocks.block_of
+    )
     for index, action in enumerate(program.actions):
+        emitted_now = blocks.last(index) if index in blocks.block_of else index not in blocks.moved_assembles
+        while emitted_now and pending and pending[0][0] <= action.position:
+            _, src, tag, receive = pending.pop(0)
+            lines.append(f"communicator.post_recv({receive.shape!r}, torch.{receive.dtype}, {src}, {tag})  # where rank {src} sends it")
         if index in blocks.block_of:
             if blocks.last(index):
                 lines.extend(block_lines(program, blocks, blocks.block_of[index], _action_lines))

@@ -61,6 +61,10 @@ class Communicator(Protocol):
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
         """Block until the tensor sent by ``src`` with ``tag`` arrives."""
 
+    def post_recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> None:
+        """Start receiving the tensor ``src`` sends with ``tag`` now, where the backend gains from it; the matching
+        ``recv`` then returns it. Generated code posts a receive where its message is sent (see ``TorchDistributedCommunicator``)."""
+
     def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
         """Sum over ``ranks``."""
 
@@ -165,6 +169,12 @@ class TorchDistributedCommunicator:
         # By (dst, tag), in issue order: (work, the tensor it reads, description); the tensor must stay alive
         # until the send completes.
         self._pending_sends: dict[tuple[int, int], list[tuple[dist.Work, torch.Tensor, str]]] = {}
+        # By (src, tag): receives posted ahead of their recv (post_recv), (work, buffer, description).
+        self._posted: dict[tuple[int, int], tuple[dist.Work, torch.Tensor, str]] = {}
+        # gloo moves a message when its receive is posted, so a receive posted after its message was sent waits for
+        # the sender's communication thread (0.4-1.4 ms on average on shared cores, against 0.0-0.4 ms posted first).
+        # NCCL runs a pair's messages in order on one stream: a receive posted early would hold up the sends behind it.
+        self.posts_receives = dist.get_backend() == "gloo"
 
     def create_groups(self, all_rank_tuples: Iterable[Sequence[int]]) -> None:
         tuples = [tuple(sorted(ranks)) for ranks in all_rank_tuples]
@@ -184,11 +194,24 @@ class TorchDistributedCommunicator:
         self._pending_sends.setdefault((dst, tag), []).append((work, tensor, description))
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
+        posted = self._posted.pop((src, tag), None)
+        if posted is None:
+            self.post_recv(shape, dtype, src, tag, now=True)
+            posted = self._posted.pop((src, tag))
+        work, tensor, description = posted
+        self._wait(work, description)
+        return tensor
+
+    def post_recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int, *, now: bool = False) -> None:
+        """Post the receive now on gloo (``now``: on any backend; ``recv`` does so); on NCCL ``recv`` posts it."""
+        if not (now or self.posts_receives):
+            return
         check_peer(src, self.rank, self.world_size)
+        if (src, tag) in self._posted:
+            raise CommunicationError(f"rank {self.rank}: a receive from rank {src} with tag {tag} is already posted")
         tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         description = f"recv from rank {src} with tag {tag}"
-        self._wait(self._issue(lambda: dist.irecv(tensor, src, tag=tag), description), description)
-        return tensor
+        self._posted[(src, tag)] = (self._issue(lambda: dist.irecv(tensor, src, tag=tag), description), tensor, description)
 
     def wait_sends(self) -> None:
         pending, self._pending_sends = self._pending_sends, {}

@@ -203,6 +203,9 @@ class InMemoryCommunicator:
             )
         return tensor
 
+    def post_recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> None:
+        """A message waits in the world for its receiver: posting ahead gains nothing here."""
+
     def wait_sends(self) -> None:
         """Sends are buffered in the world when issued, so there is nothing to wait for."""
 

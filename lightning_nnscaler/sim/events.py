@@ -9,7 +9,8 @@ Issuing a send or starting an asynchronous collective while the node's other cor
 get a core, and the issuing call waits for it (gloo over loopback: a scheduler time slice, milliseconds).
 A receive posted after its message was sent returns ``Machine.late_receive_seconds`` after it was posted at
 the earliest (counted as communication): gloo moves a message when its receive asks for it, so the
-sender's communication thread must be scheduled again. A receive posted first only waits for the message.
+sender's communication thread must be scheduled again. A receive posted first only waits for the message, and
+so does one the runtime posted where its message was sent (``Recv.posted``).
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ class EventRun:
             self.waited.add(key)
             return self._block(rank)
         posted, arrives = message
-        if self.shared and self.machine.late_receive_seconds and key not in self.waited:  # see the module docstring
+        if self.shared and self.machine.late_receive_seconds and key not in self.waited and not task.posted:  # see the module docstring
             arrives = max(arrives, self.late_until.setdefault(key, self.now + self.machine.late_receive_seconds))
         if arrives > self.now:
             self.push(arrives, rank)

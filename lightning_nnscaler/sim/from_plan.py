@@ -30,6 +30,7 @@ from lightning_nnscaler.ir.tensor import dtype_bytes
 from lightning_nnscaler.materialize.program import Assemble, Collective, Compute as ComputeAction, Program, Recv as RecvAction, Send as SendAction
 from lightning_nnscaler.sim.costs import FLOATING, ComputeModel
 from lightning_nnscaler.materialize.kept import KeptBytes, backward_seed_bytes
+from lightning_nnscaler.materialize.posts import receive_posts
 from lightning_nnscaler.materialize.releases import Message, pipeline_releases
 from lightning_nnscaler.sim.tasks import Collective as CollectiveTask, Compute, Recv, Send, Task, WaitCollectives
 from lightning_nnscaler.sim.transient import OpMemory, TransientBytes, backward_peaks
@@ -90,6 +91,8 @@ class TaskBuilder:
         }
         self.element_bytes = {tensor.name: dtype_bytes(tensor.dtype) for tensor in plan.graph.parameters}
         self.trained = {tensor.name for tensor in plan.graph.parameters if tensor.requires_grad}
+        self.posts = receive_posts(self.program)
+        """Inline receives posted where their message is sent (``materialize.posts``): no late receive."""
         self.releases = pipeline_releases(self.program, [[str(action) for action in plan.pipeline.actions(rank)]
                                                           for rank in range(self.program.world_size)]) if plan.pipeline else None
         """Per rank, which sent messages each received one proves taken (the runtime's ``RELEASES``)."""
@@ -170,7 +173,7 @@ class TaskBuilder:
             elif isinstance(item, SendAction):
                 tasks.append(Send(item.dst, self.message_bytes.get((rank, item.dst, item.tag), 0)))
             elif isinstance(item, RecvAction):
-                tasks.append(Recv(item.src))
+                tasks.append(Recv(item.src, posted=(item.src, rank, item.tag) in self.posts))
             elif isinstance(item, Collective):
                 tasks.append(CollectiveTask(item.kind, tuple(sorted(item.ranks)), item.bytes_per_device))
         return tasks

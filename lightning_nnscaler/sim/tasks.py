@@ -53,6 +53,8 @@ class Recv(NamedTuple):
     peer: int
     label: str = ""
     releases: int = 0
+    posted: bool = False
+    """Posted where its message is sent (``materialize.posts``): it never asks for a message already sent."""
 
 
 class Collective(NamedTuple):

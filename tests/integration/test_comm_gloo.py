@@ -242,7 +242,27 @@ def release_scenario(comm) -> dict:
     return {"counts": counts + [comm.sends_in_flight]}
 
 
+def posted_scenario(comm) -> dict:
+    """Rank 1 posts its receives before rank 0 sends (one out of tag order), then receives them where it uses them; a
+    receive never posted still works, and a second post of a pending one is refused by name."""
+    if comm.rank == 0:
+        for tag in (1, 2, 3):
+            comm.send(torch.full((2,), float(tag)), 1, tag)
+        comm.wait_sends()
+        return {}
+    comm.post_recv((2,), torch.float32, 0, 2)
+    comm.post_recv((2,), torch.float32, 0, 1)
+    try:
+        comm.post_recv((2,), torch.float32, 0, 1)
+        refused = None
+    except CommunicationError as error:
+        refused = str(error)
+    values = [comm.recv((2,), torch.float32, 0, tag)[0].item() for tag in (1, 2, 3)]
+    return {"values": values, "refused": refused, "posted_left": len(comm._posted)}
+
+
 SCENARIOS = {
+    "posted": (posted_scenario, COMMUNICATION_TIMEOUT),
     "collectives": (collectives_scenario, COMMUNICATION_TIMEOUT),
     "autograd": (autograd_scenario, COMMUNICATION_TIMEOUT),
     "dp_autograd": (dp_autograd_scenario, COMMUNICATION_TIMEOUT),
@@ -433,3 +453,12 @@ def test_a_released_send_drops_its_copy_and_the_rest_wait_for_wait_sends(tmp_pat
     outcomes, _ = launch(2, "release", tmp_path)
     assert_succeeded(outcomes)
     assert outcomes[0].result == {"counts": [3, 2, 2, 0]}
+
+
+@pytest.mark.timeout(60)
+def test_a_receive_posted_ahead_returns_its_message_where_it_is_received(tmp_path):
+    outcomes, _ = launch(2, "posted", tmp_path)
+    assert_succeeded(outcomes)
+    assert outcomes[1].result == {
+        "values": [1.0, 2.0, 3.0], "refused": "rank 1: a receive from rank 0 with tag 1 is already posted", "posted_left": 0,
+    }

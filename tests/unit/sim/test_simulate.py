@@ -120,6 +120,16 @@ def test_a_receive_posted_after_its_message_was_sent_takes_the_late_receive_time
     assert late.ranks[0].communication == pytest.approx(0.0)  # its receive was posted before the reply was sent
 
 
+def test_a_receive_the_runtime_posted_where_its_message_was_sent_is_never_late() -> None:
+    lists = [
+        [Send(1, 8), Send(1, 8), Recv(1)],
+        [Compute(0.010), Recv(0, posted=True), Recv(0), Send(0, 8)],
+    ]
+    late = simulate(lists, Fixed(), Machine(ranks_per_node=2, cores_per_node=2, late_receive_seconds=0.002))
+    assert late.step_seconds == pytest.approx(0.012)  # only the receive not posted ahead pays the 2 ms
+    assert late.ranks[1].communication == pytest.approx(0.002)
+
+
 def test_the_late_receive_time_is_the_specs_entry_for_the_world_size() -> None:
     spec = replace(load_spec("cpu"), late_receive_s={2: 0.001, 4: 0.003})
     assert [spec.late_receive_seconds(world) for world in (2, 3, 4, 8)] == [0.001, 0.001, 0.003, 0.003]
