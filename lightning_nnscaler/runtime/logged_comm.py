@@ -29,6 +29,8 @@ class Event:
     wait_started: float | None = None
     issue_returned: float | None = None
     """A send or an asynchronous sum: when the call that issued it returned."""
+    posted: bool = False
+    """A receive posted ahead, where its message was sent (``post_recv``): ``issued`` is when the rank waited for it."""
 
     def windows(self) -> list[tuple[float, float]]:
         """When the rank was in this operation (not computing): its issuing call, and its wait or whole call."""
@@ -59,9 +61,9 @@ class LoggedCommunicator(TorchDistributedCommunicator):
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
         """Receive, recording when it was issued and when it returned."""
-        issued = time.perf_counter()
+        issued, posted = time.perf_counter(), (src, tag) in self._posted
         tensor = super().recv(shape, dtype, src, tag)
-        self.events.append(Event("recv", (src, self.rank), tensor.numel() * tensor.element_size(), issued, time.perf_counter()))
+        self.events.append(Event("recv", (src, self.rank), tensor.numel() * tensor.element_size(), issued, time.perf_counter(), posted=posted))
         return tensor
 
     def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:

@@ -19,7 +19,8 @@ the issuing rank until the communication thread gets a core; ``busy_issue_second
 hold is rare and long: a time slice of the scheduler), which the simulator charges such issues. A
 receive posted after its message was sent (a pipeline stage that finished its compute late) does not
 find the message there: gloo moves it when the receive asks, once the sender's communication thread
-runs; ``late_receive_seconds`` is the mean time of such receives, by world size.
+runs; ``late_receive_seconds`` is the mean time of such receives, by world size (a receive the runtime posted where
+its message was sent, ``Event.posted``, is not one: the simulator charges it nothing).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class CommEvent(Protocol):
     returned: float | None
     wait_started: float | None
     issue_returned: float | None
+    posted: bool
 
     def windows(self) -> list[tuple[float, float]]:
         """When the rank was in this operation (not computing)."""
@@ -103,7 +105,7 @@ def in_step_durations(
             sent_at = send.issue_returned or send.issued
             if receive.issued <= send.issued:  # the receiver was waiting
                 samples["p2p", len(rank_events)].append((send.nbytes, receive.returned - sent_at))
-            elif receive.issued >= sent_at:  # the message was sent before its receive was posted
+            elif receive.issued >= sent_at and not receive.posted:  # sent before its receive was posted
                 samples["late_recv", len(rank_events)].append((send.nbytes, receive.returned - receive.issued))
     return dict(samples)
 

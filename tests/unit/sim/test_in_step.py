@@ -98,3 +98,11 @@ def test_a_ranks_communication_time_adds_its_calls_and_waits() -> None:
         Event("all_reduce", (0, 1), 64, issued=0.040, returned=0.041),
     ]
     assert communication_seconds(events) == pytest.approx(0.001 + 0.003 + 0.0005 + 0.002 + 0.001)
+
+
+def test_a_receive_posted_where_its_message_was_sent_is_not_a_late_receive() -> None:
+    sender = [Event("send", (0, 1), 8, issued=0.0, issue_returned=0.001)]
+    posted = [Event("recv", (0, 1), 8, issued=0.010, returned=0.0101, posted=True)]
+    assert "late_recv" not in {kind for kind, _ in in_step_durations([sender, posted])}
+    asked = [Event("recv", (0, 1), 8, issued=0.010, returned=0.012)]
+    assert in_step_durations([sender, asked])[("late_recv", 2)] == [(8, pytest.approx(0.002))]
