@@ -237,8 +237,8 @@ def pipeline(
     dp = dp or ctx.world_size // (pp * tp)
     if min(pp, dp, tp) < 1 or dp * pp * tp != ctx.world_size:
         raise ValueError(f"pipeline: dp ({dp}) × stages ({pp}) × tp ({tp}) must equal world_size ({ctx.world_size})")
-    _check_recompute_stages(recompute_stages, pp)
-    _check_recompute_stages(coshard_stages, pp, "coshard_stages")
+    _check_stage_indices(recompute_stages, pp)
+    _check_stage_indices(coshard_stages, pp, "coshard_stages")
     both = sorted(set(recompute_stages or ()) & set(coshard_stages or ()))
     if both:
         raise ValueError(
@@ -319,11 +319,11 @@ def recompute_segments(graph: Graph, order: Schedule, columns: Sequence[int]) ->
             op_recompute(graph, op, stage * order.microbatches + microbatch)
 
 
-def _check_recompute_stages(recompute_stages: Sequence[int] | None, stages: int, key: str = "recompute_stages") -> None:
+def _check_stage_indices(named: Sequence[int] | None, stages: int, key: str = "recompute_stages") -> None:
     """Raises ValueError naming ``key`` (``recompute_stages``, ``coshard_stages``) when a stage is out of range or named twice."""
-    if not recompute_stages:
+    if not named:
         return
-    indices = list(recompute_stages)
+    indices = list(named)
     if any(isinstance(index, bool) or not isinstance(index, int) for index in indices):
         raise ValueError(f"pipeline: {key} must be stage indices (ints), got {indices!r}")
     outside = [index for index in indices if not 0 <= index < stages]

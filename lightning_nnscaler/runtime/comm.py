@@ -194,24 +194,24 @@ class TorchDistributedCommunicator:
         self._pending_sends.setdefault((dst, tag), []).append((work, tensor, description))
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
-        posted = self._posted.pop((src, tag), None)
-        if posted is None:
-            self.post_recv(shape, dtype, src, tag, now=True)
-            posted = self._posted.pop((src, tag))
-        work, tensor, description = posted
+        work, tensor, description = self._posted.pop((src, tag), None) or self._irecv(shape, dtype, src, tag)
         self._wait(work, description)
         return tensor
 
-    def post_recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int, *, now: bool = False) -> None:
-        """Post the receive now on gloo (``now``: on any backend; ``recv`` does so); on NCCL ``recv`` posts it."""
-        if not (now or self.posts_receives):
+    def post_recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> None:
+        """Post the receive now on gloo; on NCCL ``recv`` posts it where it is called."""
+        if not self.posts_receives:
             return
-        check_peer(src, self.rank, self.world_size)
         if (src, tag) in self._posted:
             raise CommunicationError(f"rank {self.rank}: a receive from rank {src} with tag {tag} is already posted")
+        self._posted[(src, tag)] = self._irecv(shape, dtype, src, tag)
+
+    def _irecv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int) -> tuple[dist.Work, torch.Tensor, str]:
+        """Start receiving into a new buffer: (work, buffer, description)."""
+        check_peer(src, self.rank, self.world_size)
         tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         description = f"recv from rank {src} with tag {tag}"
-        self._posted[(src, tag)] = (self._issue(lambda: dist.irecv(tensor, src, tag=tag), description), tensor, description)
+        return self._issue(lambda: dist.irecv(tensor, src, tag=tag), description), tensor, description
 
     def wait_sends(self) -> None:
         pending, self._pending_sends = self._pending_sends, {}
