@@ -12,8 +12,9 @@ and inside training steps, and a roofline fitted to the ops of small plans.
    was seen at two sizes or more, its in-step fit replaces the loop's. Here that is every kind the plans
    use but all-to-all: an all-reduce costs several times its loop figure in a step, a message far less.
    The same steps give how long an issue is held while the other cores compute, how long a receive
-   posted after its message was sent takes (gloo moves the message only then), and how much longer a
-   rank computes in a step than its ops take alone.
+   posted after its message was sent takes (gloo moves the message only then), how much longer a
+   rank computes in a step than its ops take alone, and, in the plans that give every rank the same
+   work, how far apart the ranks reach their collectives (the simulator's clock spread, ``sim.jitter``).
 4. Every op of those plans is timed alone (``sim.profile``) and the roofline's per-op overhead and
    efficiency are fitted to them (``sim.calibrate.fit_roofline``): the search prices ops with the roofline.
 
@@ -48,7 +49,7 @@ from lightning_nnscaler.sim.calibrate import RooflineFit, fit_alpha_beta, fit_ro
 from lightning_nnscaler.sim.costs import Roofline, ring_bytes
 from lightning_nnscaler.runtime.logged_comm import Event, LoggedCommunicator
 from lightning_nnscaler.sim.in_step import (
-    busy_issue_seconds, communication_seconds, fit_in_step, in_step_durations, late_receive_seconds,
+    arrival_spreads, busy_issue_seconds, communication_seconds, fit_in_step, fit_jitter, in_step_durations, late_receive_seconds,
 )
 from lightning_nnscaler.sim.predict import DeviceModel, predict
 from lightning_nnscaler.sim.profile import ProfileDB, Profiled
@@ -124,7 +125,11 @@ CALIBRATION_PLANS: list[tuple[str, int, dict[str, Any]]] = [
     (recipe, world_size, {"stages": world_size, "microbatches": 4} if recipe == "1f1b" else {})
     for world_size in (2, 4) for recipe in ("dp", "tp", "zero3", "1f1b")
 ]
-STEPS = 10
+STEPS = 20
+SAME_WORK = ("dp", "tp", "zero3")
+FACTOR_LEAVES_OUT = ("zero3",)
+"""Calibration recipes whose ranks' time outside communication is not their ops' compute alone (``InStep.factor``)."""
+"""Calibration recipes that give every rank the same work: how far apart their ranks arrive is noise (``InStep.jitter``)."""
 
 
 def calibration_model(width: int) -> Any:
@@ -136,9 +141,9 @@ def calibration_model(width: int) -> Any:
 
 
 def logged_steps(rank: int, world_size: int, width: int, sources: list[str], constants: dict[str, torch.Tensor],
-                 names: list[str], offsets: list[dict[str, int]]) -> list[tuple[float, list[Event]]]:
-    """This rank's seconds and communication events in each of ``STEPS`` training steps (forward/backward,
-    AdamW; two untimed first)."""
+                 names: list[str], offsets: list[dict[str, int]]) -> list[tuple[float, float, list[Event]]]:
+    """This rank's start (when it left the barrier before the step), seconds and communication events in each of
+    ``STEPS`` training steps (forward/backward, AdamW; two untimed first)."""
     torch.set_num_threads(1)
     model = calibration_model(width)
     inputs = dict(zip(names, lnn.flatten_inputs(model.example_batch(8, torch.Generator().manual_seed(0)), step="training_step")))
@@ -159,7 +164,7 @@ def logged_steps(rank: int, world_size: int, width: int, sources: list[str], con
         seconds = time.perf_counter() - start
         dist.barrier()
         if index >= 2:
-            steps.append((seconds, communicator.events))
+            steps.append((start, seconds, communicator.events))
     return steps
 
 
@@ -185,16 +190,22 @@ class InStep:
     late_receive: dict[int, float]
     """By world size, the mean time of a receive posted after its message was sent."""
     factor: dict[int, float]
-    """``in_step_factor`` by world size: the median over the plans of that many ranks, and their ranks, of a rank's
+    """``in_step_factor`` by world size: the median over the plans of that many ranks but ZeRO's (whose time outside
+    communication also holds the allocator's page faults for its gathered boxes, 1.4-1.8x its ops' time here,
+    which is not the ops' compute), and over their ranks, of a rank's
     time outside communication (the median step's) over its compute as the spec predicts it from ops timed alone
     (``sim.profile``). More ranks than cores slow every op beyond their share of the cores."""
     median_steps: list[float]
     """Each plan's median step (of the slowest rank at each step)."""
+    jitter: dict[int, tuple[float, float]]
+    """By world size, ``jitter_s``: the ranks' clock spread fitted to how far apart the ranks of the plans that
+    give every rank the same work (``SAME_WORK``) reach their collectives (``sim.in_step.arrival_spreads``)."""
 
 
 def measure_in_step(plans: list[tuple[int, lnn.Plan]], spec: HardwareSpec) -> InStep:
     """Train ``plans`` a few steps on gloo ranks with every communication operation logged; see ``InStep``."""
     samples: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    spreads: dict[int, list[tuple[float, float]]] = {}
     ratios: dict[int, list[float]] = {}
     median_steps = []
     with tempfile.TemporaryDirectory(prefix="lnn-profile-") as folder:
@@ -205,15 +216,46 @@ def measure_in_step(plans: list[tuple[int, lnn.Plan]], spec: HardwareSpec) -> In
             per_rank = launch(logged_steps, plan.world_size, width, plan.sources, dict(plan.graph.constant_values), names, offsets,
                               timeout=300.0, preload=("lightning_nnscaler",))
             for step in zip(*per_rank, strict=True):
-                for key, points in in_step_durations([events for _, events in step], cores=os.cpu_count()).items():
+                rank_events = [events for _, _, events in step]
+                for key, points in in_step_durations(rank_events, cores=os.cpu_count()).items():
                     samples.setdefault(key, []).extend(points)
+                if plan.recipe in SAME_WORK:
+                    starts = [start for start, _, _ in step]
+                    ends = [start + seconds for start, seconds, _ in step]
+                    spreads.setdefault(plan.world_size, []).extend(arrival_spreads(rank_events, starts, ends))
             predicted = predict(plan, spec, device).simulation.ranks
-            for rank, steps in enumerate(per_rank):
-                outside = statistics.median(seconds - communication_seconds(events) for seconds, events in steps)
+            for rank, steps in enumerate(per_rank if plan.recipe not in FACTOR_LEAVES_OUT else []):
+                outside = statistics.median(seconds - communication_seconds(events) for _, seconds, events in steps)
                 ratios.setdefault(plan.world_size, []).append(outside / predicted[rank].busy)
-            median_steps.append(statistics.median(max(seconds for seconds, _ in step) for step in zip(*per_rank, strict=True)))
+            median_steps.append(statistics.median(max(seconds for _, seconds, _ in step) for step in zip(*per_rank, strict=True)))
     factor = {world_size: statistics.median(values) for world_size, values in sorted(ratios.items())}
-    return InStep(fit_in_step(samples), busy_issue_seconds(samples), late_receive_seconds(samples), factor, median_steps)
+    jitter = {world_size: fit_jitter(points) for world_size, points in sorted(spreads.items())}
+    return InStep(fit_in_step(samples), busy_issue_seconds(samples), late_receive_seconds(samples), factor, median_steps, jitter)
+
+
+def keep_jitter_that_helps(spec: dict[str, Any], plans: list[tuple[int, lnn.Plan]], median_steps: list[float]) -> dict[int, list[float]]:
+    """``spec``'s measured ``jitter_s``, world size by world size (fewest ranks first), where it predicts that many
+    ranks' calibration plans closer (mean absolute error of their median steps) than what the spec gives them
+    without it: the entry of fewer ranks (``sim.specs.measured_for``), or none. On 4 ranks sharing 2 cores the
+    measured spread (1.5 ms at every meeting) priced those plans 22 % off, against 15 % with the 2-rank figure
+    and 16 % with none (presumably the collectives' in-step costs there already hold the ranks' time slicing)."""
+    kept: dict[int, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="lnn-profile-") as folder:
+        calibrated = spec_from_dict(spec, "calibrated")
+        device = DeviceModel(calibrated, Profiled(ProfileDB.open(directory=Path(folder)), Roofline(calibrated), statistic=min))
+        for world_size, fit in sorted(spec.get("jitter_s", {}).items()):
+            chosen = [(plan, measured) for (_, plan), measured in zip(plans, median_steps, strict=True) if plan.world_size == world_size]
+            errors = {}
+            for label, jitter in (("measured", {**kept, world_size: fit}), ("otherwise", dict(kept))):
+                trial = spec_from_dict({**spec, "jitter_s": jitter}, "calibrated")
+                errors[label] = statistics.fmean(abs(predict(plan, trial, device).step_seconds / measured - 1) for plan, measured in chosen)
+            otherwise = f"with the {max(kept)}-rank one" if kept else "without"
+            better = errors["measured"] < errors["otherwise"]
+            print(f"{world_size} ranks: calibration plans {errors['measured']:.1%} off with their measured jitter, {errors['otherwise']:.1%} "
+                  f"{otherwise}: {'kept' if better else 'left out'}")
+            if better:
+                kept[world_size] = fit
+    return kept
 
 
 def print_residuals(spec: HardwareSpec, plans: list[tuple[int, lnn.Plan]], median_steps: list[float]) -> None:
@@ -275,17 +317,20 @@ def calibrate(output: Path) -> None:
             collectives.setdefault(kind, {})[world_size] = [alpha, beta]
     fitted = roofline_fit(spec_from_dict(spec, "measured"), plans)
     spec.update(op_overhead_s=fitted.overhead, matmul_efficiency=fitted.matmul_efficiency, memory_efficiency=fitted.memory_efficiency, busy_issue_s=measured.busy_issue,
-                late_receive_s=measured.late_receive, in_step_factor=measured.factor)
+                late_receive_s=measured.late_receive, in_step_factor=measured.factor,
+                jitter_s={world_size: list(fit) for world_size, fit in measured.jitter.items()})
     for kind, by_size in collectives.items():
         for world_size, (alpha, beta) in sorted(by_size.items()):
             where = "in steps" if world_size in measured.fits.get(kind, {}) else "in loops"
             print(f"{kind:>15} p={world_size} ({where}): alpha {alpha * 1e6:8.1f} us, beta {beta * 1e9:7.3f} ns/B")
     late = ", ".join(f"{seconds * 1e6:.0f} us at {ranks} ranks" for ranks, seconds in sorted(measured.late_receive.items()))
     factors = ", ".join(f"{factor:.2f}x at {ranks} ranks" for ranks, factor in measured.factor.items())
+    spreads = ", ".join(f"{seconds * 1e3:.2f} ms + {share:.2f} x its compute at {ranks} ranks" for ranks, (seconds, share) in measured.jitter.items())
     print(f"issuing while the other cores compute holds a rank {measured.busy_issue * 1e6:.1f} us on average; a receive posted after its "
           f"message was sent takes {late or 'nothing measured'}; in a step a rank computes {factors} as long as its ops "
           f"timed alone; roofline fitted to those ops: {fitted.overhead * 1e6:.1f} us per op, {fitted.matmul_efficiency:.2f} of the peak "
-          f"FLOP/s in matmuls, {fitted.memory_efficiency:.2f} of the bandwidth elsewhere")
+          f"FLOP/s in matmuls, {fitted.memory_efficiency:.2f} of the bandwidth elsewhere; a rank's clock spreads by {spreads}")
+    spec["jitter_s"] = keep_jitter_that_helps(spec, plans, measured.median_steps)
     print_residuals(spec_from_dict(spec, "calibrated"), plans, measured.median_steps)
     header = "# Measured by benchmarks/calibrate_comm.py (torch %s): compute in one thread, gloo over loopback.\n" % torch.__version__
     output.write_text(header + yaml.safe_dump(spec, sort_keys=False))

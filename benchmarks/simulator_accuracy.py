@@ -14,7 +14,7 @@ Measured peak memory per rank: the bytes of the tensors the rank holds between s
 the reducer's gradient buckets, the optimizer's state; gradients are set to None first, as Lightning's
 ``zero_grad`` does) plus the most the allocator hands out at once during a step (``sim.meter.AllocationMeter``:
 saved activations, outputs not yet freed, gradients in flight, message copies, ZeRO's gathered boxes; the least of
-``METERED_STEPS`` steps, since the profiler cannot see a block allocated before it being freed). Predicted: the
+``METERED_STEPS`` steps of every round, since the profiler cannot see a block allocated before it being freed). Predicted: the
 sum of ``sim.predict``'s memory columns for the rank. Predicted step time: ``sim.predict`` with the
 ``cpu`` spec (``benchmarks/calibrate_comm.py``) and op times measured in one thread into a fresh
 profile folder for the run. Nothing is fitted to these plans: the spec's communication figures come from
@@ -246,7 +246,8 @@ def main() -> None:
             row["rounds"] += steps
             row["round_fastest"] = [*row.get("round_fastest", []), min(steps)]
             row["round_median"] = [*row.get("round_median", []), statistics.median(steps)]
-            row["memory"] = [result["memory"] for result in results]
+            metered = [result["memory"] for result in results]  # the least of every round's: a metered step only ever reads high
+            row["memory"] = [min(pair) for pair in zip(row.get("memory", metered), metered, strict=True)]
             print(f"round {round_index}: {row['name']} fastest {min(steps) * 1e3:.1f} ms, median {statistics.median(steps) * 1e3:.1f} ms, "
                   f"predicted {row['predicted'] * 1e3:.1f} ms (load average {os.getloadavg()[0]:.1f})", flush=True)
     print(f"{'plan':<40} {'median ms':>9} {'fastest ms':>10} {'predicted ms':>12} {'vs median':>9} {'vs fastest':>10} {'memory error':>12}")

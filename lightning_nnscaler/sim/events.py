@@ -11,6 +11,12 @@ A receive posted after its message was sent returns ``Machine.late_receive_secon
 the earliest (counted as communication): gloo moves a message when its receive asks for it, so the
 sender's communication thread must be scheduled again. A receive posted first only waits for the message, and
 so does one the runtime posted where its message was sent (``Recv.posted``).
+
+With ``Machine.compute_jitter`` or ``Machine.meeting_jitter_seconds`` set, a rank's clock is uncertain
+(``sim.jitter``): by ``meeting_jitter_seconds`` when it leaves a wait for other ranks (or starts the step), plus
+``compute_jitter`` × the compute it ran since. A collective starts at the expected latest arrival of its
+members, a receive returns at the expected later of its own posting and its message's arrival, and the step
+ends at the expected latest end of the ranks.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import heapq
 from collections import deque
 from collections.abc import Sequence
 
+from lightning_nnscaler.sim.jitter import chance_first, later_of, latest
 from lightning_nnscaler.sim.results import CommunicationModel, Machine, RankStats, Span
 from lightning_nnscaler.sim.tasks import Collective, Compute, Recv, Send, Task, WaitCollectives
 
@@ -45,11 +52,11 @@ class EventRun:
         self.wake_token = [0] * self.world  # a blocked rank waits for one thing: only its latest wake-up counts
         self.sent: dict[tuple[int, int], int] = {}
         self.received: dict[tuple[int, int], int] = {}
-        self.messages: dict[tuple[int, int, int], tuple[float, float]] = {}  # (src, dst, k) -> (posted, arrives)
+        self.messages: dict[tuple[int, int, int], tuple[float, float, float]] = {}  # (src, dst, k) -> (posted, arrives, sender's spread)
         self.channel_free: dict[tuple[int, int], float] = {}
         self.message_waiter: dict[tuple[int, int, int], int] = {}
         self.collective_count: dict[tuple[int, tuple[int, ...]], int] = {}
-        self.arrivals: dict[tuple, dict[int, float]] = {}
+        self.arrivals: dict[tuple, dict[int, tuple[float, float]]] = {}  # collective -> member -> (arrived, spread)
         self.collective_window: dict[tuple, tuple[float, float]] = {}  # key -> (start, end)
         self.current_collective: list[tuple | None] = [None] * self.world
         self.pending: list[list[tuple]] = [[] for _ in range(self.world)]
@@ -60,6 +67,11 @@ class EventRun:
         self.issue_until: list[float | None] = [None] * self.world  # a rank held by its issue: until when
         self.late_until: dict[tuple[int, int, int], float] = {}  # a message received late: when its receive returns
         self.waited: set[tuple[int, int, int]] = set()  # messages whose receive was posted before them
+        self.jitter = machine.compute_jitter if self.shared else 0.0
+        self.met = machine.meeting_jitter_seconds if self.shared else 0.0
+        self.noisy = bool(self.jitter or self.met)
+        self.spread = [self.met] * self.world  # a rank clock's standard deviation since it last waited for another (sim.jitter)
+        self.jitter_until: dict[tuple[int, int, int], tuple[float, float]] = {}  # message -> (expected return, receiver's spread after)
 
     def go(self) -> None:
         """Advance ready ranks at ``now``, then take the next event in time order, until none is left."""
@@ -137,6 +149,7 @@ class EventRun:
         task = self.lists[rank][self.cursor[rank]]
         start = self.started[rank]
         self.stats[rank].busy += self.now - start
+        self.spread[rank] += self.jitter * (self.now - start)
         if self.record:
             self.spans[rank].append(Span(task.kind, start, self.now, task.label))
         if self.shared:
@@ -173,7 +186,7 @@ class EventRun:
         start = max(self.now, self.channel_free.get(channel, 0.0))
         self.channel_free[channel] = start + transfer
         key = (rank, task.peer, number)
-        self.messages[key] = (self.now, start + transfer + latency)
+        self.messages[key] = (self.now, start + transfer + latency, self.spread[rank])
         waiter = self.message_waiter.pop(key, None)
         if waiter is not None:
             self.push(start + transfer + latency, waiter)
@@ -187,9 +200,15 @@ class EventRun:
             self.message_waiter[key] = rank
             self.waited.add(key)
             return self._block(rank)
-        posted, arrives = message
+        posted, arrives, sender_spread = message
         if self.shared and self.machine.late_receive_seconds and key not in self.waited and not task.posted:  # see the module docstring
             arrives = max(arrives, self.late_until.setdefault(key, self.now + self.machine.late_receive_seconds))
+        if self.noisy:
+            if key not in self.jitter_until:
+                mine, theirs = (since, self.spread[rank]), (arrives, sender_spread)
+                waited = chance_first(mine, theirs)
+                self.jitter_until[key] = (later_of(mine, theirs)[0], self.spread[rank] * (1.0 - waited) + self.met * waited)
+            arrives = max(arrives, self.jitter_until[key][0])
         if arrives > self.now:
             self.push(arrives, rank)
             return self._block(rank)
@@ -197,6 +216,8 @@ class EventRun:
         self.late_until.pop(key, None)
         self.received[channel] = key[2] + 1
         del self.messages[key]
+        if self.noisy:
+            self.spread[rank] = self.jitter_until.pop(key)[1]  # as far as the receiver waited, it met the sender
         self.stats[rank].sent_bytes -= task.releases
         self._account_wait(rank, since, max(since, posted), "recv", task.label)
         return True
@@ -214,7 +235,7 @@ class EventRun:
             key = (task.group, number)
             self.current_collective[rank] = key
             members = self.arrivals.setdefault(key, {})
-            members[rank] = self.now
+            members[rank] = (self.now, self.spread[rank])
             if len(members) == len(task.group):
                 self._resolve(key, task)
             if not task.blocking:
@@ -230,13 +251,15 @@ class EventRun:
             self.push(end, rank)
             return self._block(rank)
         self.current_collective[rank] = None
+        self.spread[rank] = self.met  # every member leaves the collective together
         self._account_wait(rank, since, max(since, start), task.kind, task.label)
         return True
 
     def _resolve(self, key: tuple, task: Collective) -> None:
         """The last member arrived: the collective runs once every member's communication stream is free."""
         members = self.arrivals.pop(key)
-        start = max(max(members.values()), *(self.comm_free.get((member, task.group), 0.0) for member in task.group))
+        last = latest(members.values())[0] if self.noisy else max(arrived for arrived, _ in members.values())
+        start = max(last, *(self.comm_free.get((member, task.group), 0.0) for member in task.group))
         end = start + self.comm.collective_seconds(task.kind, task.group, task.nbytes)
         self.collective_window[key] = (start, end)
         for member in task.group:
@@ -257,6 +280,8 @@ class EventRun:
             return self._block(rank)
         start = min((window[0] for window in windows), default=self.now)
         self.pending[rank] = []
+        if since < self.now:  # it waited for the collectives' last member
+            self.spread[rank] = self.met
         self._account_wait(rank, since, max(since, min(start, self.now)), "wait", "collectives")
         return True
 
@@ -280,6 +305,10 @@ class EventRun:
         self.issue_until[rank] = self.now + delay
         self.push(self.now + delay, rank)
         return self._block(rank)
+
+    def expected_end(self) -> float:
+        """The expected latest end of the ranks' lists, their clocks' spread counted (``sim.jitter``)."""
+        return latest((stats.end, spread) for stats, spread in zip(self.stats, self.spread, strict=True))[0]
 
     # --- accounting ----------------------------------------------------------------------------------
 

@@ -21,6 +21,10 @@ receive posted after its message was sent (a pipeline stage that finished its co
 find the message there: gloo moves it when the receive asks, once the sender's communication thread
 runs; ``late_receive_seconds`` is the mean time of such receives, by world size (a receive the runtime posted where
 its message was sent, ``Event.posted``, is not one: the simulator charges it nothing).
+
+Ranks with the same work do not reach a collective at the same moment: ``arrival_spreads`` measures how far
+apart they arrive against the compute each ran since it last met the others, and ``fit_jitter`` makes of
+them the simulator's clock uncertainty (``sim.jitter``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Protocol
 
 from lightning_nnscaler.sim.calibrate import fit_alpha_beta
 from lightning_nnscaler.sim.costs import ring_bytes
+from lightning_nnscaler.sim.jitter import expected_range
 
 BLOCKED_AT_LEAST = 5e-5
 """An asynchronous collective's wait that returned sooner than this did not block: its end is unknown."""
@@ -148,6 +153,47 @@ def late_receive_seconds(samples: dict[tuple[str, int], list[tuple[int, float]]]
     few a scheduler time slice, and a step adds them all up."""
     return {ranks: statistics.fmean(seconds for _, seconds in points)
             for (kind, ranks), points in samples.items() if kind == "late_recv" and points}
+
+
+def arrival_spreads(
+    rank_events: Sequence[Sequence[CommEvent]], starts: Sequence[float], ends: Sequence[float],
+) -> list[tuple[float, float]]:
+    """``[(compute seconds, spread seconds)]`` of one step whose ranks all run the same work (data parallelism,
+    ZeRO, tensor parallelism): for each collective (the k-th over a group on every member) and for the step's end,
+    how far apart the ranks arrived, as the standard deviation of one rank's arrival (the range over
+    ``sim.jitter.expected_range``), against the mean time each ran since it last met the others (``starts``: when
+    each left the barrier before the step; then the return of each operation it waited in). Deterministic
+    differences between ranks are what the simulator prices; with the same work on every rank, the spread is the
+    noise."""
+    collectives: dict[tuple[str, tuple[int, ...], int], dict[int, float]] = defaultdict(dict)
+    computed: dict[tuple[str, tuple[int, ...], int], dict[int, float]] = defaultdict(dict)
+    for rank, events in enumerate(rank_events):
+        count: dict[tuple[str, tuple[int, ...]], int] = defaultdict(int)
+        for event in events:
+            if event.kind in ("send", "recv"):
+                continue
+            number = count[event.kind, event.key]
+            count[event.kind, event.key] += 1
+            arrived = event.issue_returned or event.issued
+            met = max([starts[rank], *(other.returned for other in events if other.returned is not None and other.returned <= event.issued)])
+            collectives[event.kind, event.key, number][rank] = arrived
+            computed[event.kind, event.key, number][rank] = arrived - met
+    samples = []
+    for key, arrivals in collectives.items():
+        if len(arrivals) == len(key[1]) >= 2:
+            spread = (max(arrivals.values()) - min(arrivals.values())) / expected_range(len(arrivals))
+            samples.append((statistics.fmean(computed[key].values()), spread))
+    if len(rank_events) >= 2:
+        since = [end - max([start, *(event.returned for event in events if event.returned is not None)])
+                 for start, end, events in zip(starts, ends, rank_events, strict=True)]
+        samples.append((statistics.fmean(since), (max(ends) - min(ends)) / expected_range(len(ends))))
+    return samples
+
+
+def fit_jitter(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(seconds, share)``: a rank's clock spread ``seconds + share × compute`` fitted to ``arrival_spreads``
+    samples by least squares (the simulator's ``HardwareSpec.jitter_s``)."""
+    return fit_alpha_beta([computed for computed, _ in samples], [spread for _, spread in samples])
 
 
 def communication_seconds(events: Sequence[CommEvent]) -> float:

@@ -128,7 +128,8 @@ def predict(plan: Any, spec: HardwareSpec | str = "a100", device: DeviceModel | 
     spec = load_spec(spec) if isinstance(spec, str) else spec
     device = (device or DeviceModel(spec, Roofline(spec))).for_ranks(plan.program.world_size)
     lists = plan_task_lists(plan, device)
-    machine = Machine(spec.ranks_per_node, spec.cores_per_node, spec.busy_issue_s, spec.late_receive_seconds(len(lists)))
+    machine = Machine(spec.ranks_per_node, spec.cores_per_node, spec.busy_issue_s, spec.late_receive_seconds(len(lists)),
+                      *spec.jitter(len(lists)))
     result = simulate(lists, CommModel(spec, len(lists)), machine, record=record)
     memory = []
     for row, stats in zip(plan.memory_rows(), result.ranks, strict=True):

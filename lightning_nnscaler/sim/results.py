@@ -22,12 +22,16 @@ class Machine:
     shared by a node's ranks (None: one device per rank, no sharing); ``busy_issue_seconds`` what issuing a
     send or starting an asynchronous collective holds a rank while every core of its node computes (``HardwareSpec.busy_issue_s``);
     ``late_receive_seconds`` how long a receive posted after its message was sent takes on shared cores
-    (``HardwareSpec.late_receive_s``)."""
+    (``HardwareSpec.late_receive_s``); on shared cores, how uncertain a rank's clock is (``sim.jitter``;
+    ``HardwareSpec.jitter``): ``meeting_jitter_seconds`` when it leaves a wait for other ranks, plus
+    ``compute_jitter`` × the compute it ran since (standard deviations)."""
 
     ranks_per_node: int = 8
     cores_per_node: int | None = None
     busy_issue_seconds: float = 0.0
     late_receive_seconds: float = 0.0
+    meeting_jitter_seconds: float = 0.0
+    compute_jitter: float = 0.0
 
 
 @dataclass

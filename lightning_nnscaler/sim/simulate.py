@@ -9,7 +9,9 @@ message; a collective starts when its last member has reached it and every membe
 group is free, and lasts what ``CommunicationModel.collective_seconds`` says. Ranks that share a
 node's CPU cores (``Machine.cores_per_node``) share them as processor sharing: with ``k`` ranks
 computing on ``c`` cores, each runs at ``min(1, c / k)`` of its speed (a GPU rank has a device of
-its own: ``cores_per_node`` None).
+its own: ``cores_per_node`` None). On shared cores a rank's compute also varies from step to step, and
+ranks that meet wait for the latest of them: the event engine starts what several ranks wait for at their
+expected latest arrival (``sim.jitter``; ``Machine.compute_jitter``, ``Machine.meeting_jitter_seconds``).
 
 Two engines give the same times where both apply: without shared cores, list scheduling
 (``replay.ListRun``: each rank runs as far as it can, a blocked rank sleeps on the one message or
@@ -49,6 +51,8 @@ def simulate(
     if stuck:
         raise DeadlockError("deadlock: " + "; ".join(f"rank {rank} stuck at task {run.cursor[rank]} {lists[rank][run.cursor[rank]]}" for rank in stuck[:8]))
     step = max((stats.end for stats in run.stats), default=0.0)
+    if isinstance(run, EventRun) and run.noisy and run.world:
+        step = max(step, run.expected_end())  # the slowest rank's end, the ranks' noise counted (sim.jitter)
     for rank, stats in enumerate(run.stats):
         stats.idle = max(0.0, step - stats.busy - stats.communication)
         if record and step > stats.end:

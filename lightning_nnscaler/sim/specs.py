@@ -54,6 +54,11 @@ class HardwareSpec:
         late_receive_s: with ``cores_per_node`` set, by world size, how long a receive posted after its message was
             sent takes (gloo moves the message when the receive asks for it, so the sender's communication
             thread must get a core first); the mean measured in training steps by ``benchmarks/calibrate_comm.py``.
+        jitter_s: with ``cores_per_node`` set, by world size, ``(seconds, share)``: how uncertain a rank's clock is
+            in a step, as a standard deviation, ``seconds`` when it leaves a wait for other ranks plus ``share`` ×
+            the compute it ran since (``sim.jitter``: ranks that must meet wait for the latest of them); measured by
+            ``benchmarks/calibrate_comm.py`` from how far apart the ranks of its plans reach their collectives
+            (``sim.in_step.arrival_spreads``); none where unmeasured.
         intra_node, inter_node: the links within and across nodes.
         collectives: fitted ``{kind: {group size: [alpha, beta]}}`` (``time = alpha + beta × ring bytes``);
             ``p2p`` is the point-to-point fit. Missing entries fall back to ring formulas over the links.
@@ -73,6 +78,7 @@ class HardwareSpec:
     busy_issue_s: float = 0.0
     in_step_factor: float | dict[int, float] = 1.0
     late_receive_s: dict[int, float] = field(default_factory=dict)
+    jitter_s: dict[int, tuple[float, float]] = field(default_factory=dict)
     collectives: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
     optimizer: tuple[float, float] | None = None
     """Measured AdamW step: (seconds per tensor, seconds per element); None: the roofline's memory-bound estimate."""
@@ -80,6 +86,10 @@ class HardwareSpec:
     def late_receive_seconds(self, world_size: int) -> float:
         """``late_receive_s`` for a run of ``world_size`` ranks (``measured_for``; 0 without an entry)."""
         return measured_for(self.late_receive_s, world_size) or 0.0
+
+    def jitter(self, world_size: int) -> tuple[float, float]:
+        """``jitter_s`` for a run of ``world_size`` ranks (``measured_for``; none without an entry)."""
+        return measured_for(self.jitter_s, world_size) or (0.0, 0.0)
 
     def in_step(self, world_size: int | None) -> float:
         """``in_step_factor`` for a run of ``world_size`` ranks (``measured_for``; the fewest ranks measured when
@@ -164,6 +174,7 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> HardwareSpec:
         busy_issue_s=float(data.get("busy_issue_s", 0.0)),
         in_step_factor=_by_world_size_or_one(data.get("in_step_factor", 1.0)),
         late_receive_s={int(ranks): float(seconds) for ranks, seconds in (data.get("late_receive_s") or {}).items()},
+        jitter_s={int(ranks): (float(fit[0]), float(fit[1])) for ranks, fit in (data.get("jitter_s") or {}).items()},
         collectives=collectives,
         optimizer=None if data.get("optimizer") is None else (float(data["optimizer"][0]), float(data["optimizer"][1])),
     )
