@@ -21,8 +21,9 @@ profile folder for the run. Nothing is fitted to these plans: the spec's communi
 steps of a separate calibration GPT (other widths, vocab and length; ``calibrate_comm.py``).
 
 Statistics: the op profile takes the fastest of its repeats (other processes only ever add time, as
-``timeit`` advises); what a step adds to it is the spec's ``in_step_factor``, and communication is
-priced from its median costs inside steps (``calibrate_comm.py``, ``sim.in_step``). gloo here is far from
+``timeit`` advises); what a step adds to it is the spec's ``in_step_factor``, communication is
+priced from its costs inside steps (``calibrate_comm.py``, ``sim.in_step``), and ranks that meet wait for
+the expected latest of them (the spec's ``jitter_s``, ``sim.jitter``). gloo here is far from
 steady (one all-reduce takes 0.2 ms in one call and 3 ms in the next), so the model predicts a typical
 step: the median step is its measure, the fastest step (the luckiest of all) is printed beside it.
 
