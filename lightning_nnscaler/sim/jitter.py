@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from functools import cache
 
 _SQRT2 = math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -67,6 +68,7 @@ def chance_first(a: tuple[float, float], b: tuple[float, float]) -> float:
     return _cdf((b[0] - a[0]) / theta)
 
 
+@cache
 def expected_range(count: int) -> float:
     """The expected distance between the largest and smallest of ``count`` independent standard normal values
     (1.128 for two, 2.059 for four): how far apart ``count`` ranks with the same work arrive, in standard deviations."""
