@@ -233,42 +233,39 @@ def measure_in_step(plans: list[tuple[int, lnn.Plan]], spec: HardwareSpec) -> In
     return InStep(fit_in_step(samples), busy_issue_seconds(samples), late_receive_seconds(samples), factor, median_steps, jitter)
 
 
-def keep_jitter_that_helps(spec: dict[str, Any], plans: list[tuple[int, lnn.Plan]], median_steps: list[float]) -> dict[int, list[float]]:
+def mean_error(spec: HardwareSpec, chosen: list[tuple[lnn.Plan, float]], device: DeviceModel) -> float:
+    """Mean absolute error of ``spec``'s predicted steps (op times from ``device``) against ``(plan, median step)`` pairs."""
+    return statistics.fmean(abs(predict(plan, spec, device).step_seconds / measured - 1) for plan, measured in chosen)
+
+
+def keep_jitter_that_helps(spec: dict[str, Any], plans: list[tuple[int, lnn.Plan]], median_steps: list[float],
+                           device: DeviceModel) -> dict[int, list[float]]:
     """``spec``'s measured ``jitter_s``, world size by world size (fewest ranks first), where it predicts that many
     ranks' calibration plans closer (mean absolute error of their median steps) than what the spec gives them
     without it: the entry of fewer ranks (``sim.specs.measured_for``), or none. On 4 ranks sharing 2 cores the
     measured spread (1.5 ms at every meeting) priced those plans 22 % off, against 15 % with the 2-rank figure
     and 16 % with none (presumably the collectives' in-step costs there already hold the ranks' time slicing)."""
     kept: dict[int, list[float]] = {}
-    with tempfile.TemporaryDirectory(prefix="lnn-profile-") as folder:
-        calibrated = spec_from_dict(spec, "calibrated")
-        device = DeviceModel(calibrated, Profiled(ProfileDB.open(directory=Path(folder)), Roofline(calibrated), statistic=min))
-        for world_size, fit in sorted(spec.get("jitter_s", {}).items()):
-            chosen = [(plan, measured) for (_, plan), measured in zip(plans, median_steps, strict=True) if plan.world_size == world_size]
-            errors = {}
-            for label, jitter in (("measured", {**kept, world_size: fit}), ("otherwise", dict(kept))):
-                trial = spec_from_dict({**spec, "jitter_s": jitter}, "calibrated")
-                errors[label] = statistics.fmean(abs(predict(plan, trial, device).step_seconds / measured - 1) for plan, measured in chosen)
-            otherwise = f"with the {max(kept)}-rank one" if kept else "without"
-            better = errors["measured"] < errors["otherwise"]
-            print(f"{world_size} ranks: calibration plans {errors['measured']:.1%} off with their measured jitter, {errors['otherwise']:.1%} "
-                  f"{otherwise}: {'kept' if better else 'left out'}")
-            if better:
-                kept[world_size] = fit
+    for world_size, fit in sorted(spec.get("jitter_s", {}).items()):
+        chosen = [(plan, measured) for (_, plan), measured in zip(plans, median_steps, strict=True) if plan.world_size == world_size]
+        measured_error = mean_error(spec_from_dict({**spec, "jitter_s": {**kept, world_size: fit}}, "calibrated"), chosen, device)
+        otherwise_error = mean_error(spec_from_dict({**spec, "jitter_s": kept}, "calibrated"), chosen, device)
+        otherwise = f"with the {max(kept)}-rank one" if kept else "without"
+        better = measured_error < otherwise_error
+        print(f"{world_size} ranks: calibration plans {measured_error:.1%} off with their measured jitter, {otherwise_error:.1%} "
+              f"{otherwise}: {'kept' if better else 'left out'}")
+        if better:
+            kept[world_size] = fit
     return kept
 
 
-def print_residuals(spec: HardwareSpec, plans: list[tuple[int, lnn.Plan]], median_steps: list[float]) -> None:
-    """Each calibration plan's median step against what the calibrated ``spec`` predicts (ops timed alone)."""
-    with tempfile.TemporaryDirectory(prefix="lnn-profile-") as folder:
-        device = DeviceModel(spec, Profiled(ProfileDB.open(directory=Path(folder)), Roofline(spec), statistic=min))
-        errors = []
-        for (width, plan), measured in zip(plans, median_steps, strict=True):
-            predicted = predict(plan, spec, device).step_seconds
-            errors.append(abs(predicted / measured - 1))
-            label = " ".join([f"width {width}", plan.recipe, *(f"{key}={value}" for key, value in plan.params.items()), f"x{plan.world_size}"])
-            print(f"{label:<44} median step {measured * 1e3:6.1f} ms, predicted {predicted * 1e3:6.1f} ms ({predicted / measured - 1:+.0%})")
-    print(f"calibration plans: mean absolute error {statistics.fmean(errors):.1%}")
+def print_residuals(spec: HardwareSpec, plans: list[tuple[int, lnn.Plan]], median_steps: list[float], device: DeviceModel) -> None:
+    """Each calibration plan's median step against what the calibrated ``spec`` predicts (op times from ``device``)."""
+    for (width, plan), measured in zip(plans, median_steps, strict=True):
+        predicted = predict(plan, spec, device).step_seconds
+        label = " ".join([f"width {width}", plan.recipe, *(f"{key}={value}" for key, value in plan.params.items()), f"x{plan.world_size}"])
+        print(f"{label:<44} median step {measured * 1e3:6.1f} ms, predicted {predicted * 1e3:6.1f} ms ({predicted / measured - 1:+.0%})")
+    print(f"calibration plans: mean absolute error {mean_error(spec, [(plan, measured) for (_, plan), measured in zip(plans, median_steps, strict=True)], device):.1%}")
 
 
 def roofline_fit(spec: HardwareSpec, plans: list[tuple[int, lnn.Plan]]) -> RooflineFit:
@@ -330,8 +327,11 @@ def calibrate(output: Path) -> None:
           f"message was sent takes {late or 'nothing measured'}; in a step a rank computes {factors} as long as its ops "
           f"timed alone; roofline fitted to those ops: {fitted.overhead * 1e6:.1f} us per op, {fitted.matmul_efficiency:.2f} of the peak "
           f"FLOP/s in matmuls, {fitted.memory_efficiency:.2f} of the bandwidth elsewhere; a rank's clock spreads by {spreads}")
-    spec["jitter_s"] = keep_jitter_that_helps(spec, plans, measured.median_steps)
-    print_residuals(spec_from_dict(spec, "calibrated"), plans, measured.median_steps)
+    with tempfile.TemporaryDirectory(prefix="lnn-profile-") as folder:  # the plans' ops timed once for both
+        calibrated = spec_from_dict(spec, "calibrated")
+        device = DeviceModel(calibrated, Profiled(ProfileDB.open(directory=Path(folder)), Roofline(calibrated), statistic=min))
+        spec["jitter_s"] = keep_jitter_that_helps(spec, plans, measured.median_steps, device)
+        print_residuals(spec_from_dict(spec, "calibrated"), plans, measured.median_steps, device)
     header = "# Measured by benchmarks/calibrate_comm.py (torch %s): compute in one thread, gloo over loopback.\n" % torch.__version__
     output.write_text(header + yaml.safe_dump(spec, sort_keys=False))
     print(f"matmul {compute['flops'] / 1e9:.1f} GFLOP/s, copy {compute['bandwidth'] / 1e9:.1f} GB/s, op overhead "

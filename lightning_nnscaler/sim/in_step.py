@@ -72,21 +72,15 @@ def in_step_durations(
     computes wherever it is in no operation).
     """
     samples: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
-    collectives: dict[tuple[str, tuple[int, ...], int], dict[int, CommEvent]] = defaultdict(dict)
     sends: dict[tuple[int, ...], list[CommEvent]] = defaultdict(list)
     receives: dict[tuple[int, ...], list[CommEvent]] = defaultdict(list)
-    for rank, events in enumerate(rank_events):
-        count: dict[tuple[str, tuple[int, ...]], int] = defaultdict(int)
+    for events in rank_events:
         for event in events:
             if event.kind == "send":
                 sends[event.key].append(event)
             elif event.kind == "recv":
                 receives[event.key].append(event)
-            else:
-                number = count[event.kind, event.key]
-                count[event.kind, event.key] += 1
-                collectives[event.kind, event.key, number][rank] = event
-    for (kind, group, _), members in collectives.items():
+    for (kind, group, _), members in matched_collectives(rank_events).items():
         if len(members) < len(group):
             continue
         last_arrival = max(event.issue_returned or event.issued for event in members.values())  # after any issue hold
@@ -113,6 +107,20 @@ def in_step_durations(
             elif receive.issued >= sent_at and not receive.posted:  # sent before its receive was posted
                 samples["late_recv", len(rank_events)].append((send.nbytes, receive.returned - receive.issued))
     return dict(samples)
+
+
+def matched_collectives(rank_events: Sequence[Sequence[CommEvent]]) -> dict[tuple[str, tuple[int, ...], int], dict[int, CommEvent]]:
+    """``(kind, group, k) -> {rank: event}``: the k-th collective of a kind over a group is the same on every member."""
+    collectives: dict[tuple[str, tuple[int, ...], int], dict[int, CommEvent]] = defaultdict(dict)
+    for rank, events in enumerate(rank_events):
+        count: dict[tuple[str, tuple[int, ...]], int] = defaultdict(int)
+        for event in events:
+            if event.kind in ("send", "recv"):
+                continue
+            number = count[event.kind, event.key]
+            count[event.kind, event.key] += 1
+            collectives[event.kind, event.key, number][rank] = event
+    return collectives
 
 
 def fit_in_step(samples: dict[tuple[str, int], list[tuple[int, float]]], min_sizes: int = 2) -> dict[str, dict[int, tuple[float, float]]]:
@@ -165,27 +173,19 @@ def arrival_spreads(
     each left the barrier before the step; then the return of each operation it waited in). Deterministic
     differences between ranks are what the simulator prices; with the same work on every rank, the spread is the
     noise."""
-    collectives: dict[tuple[str, tuple[int, ...], int], dict[int, float]] = defaultdict(dict)
-    computed: dict[tuple[str, tuple[int, ...], int], dict[int, float]] = defaultdict(dict)
-    for rank, events in enumerate(rank_events):
-        count: dict[tuple[str, tuple[int, ...]], int] = defaultdict(int)
-        for event in events:
-            if event.kind in ("send", "recv"):
-                continue
-            number = count[event.kind, event.key]
-            count[event.kind, event.key] += 1
-            arrived = event.issue_returned or event.issued
-            met = max([starts[rank], *(other.returned for other in events if other.returned is not None and other.returned <= event.issued)])
-            collectives[event.kind, event.key, number][rank] = arrived
-            computed[event.kind, event.key, number][rank] = arrived - met
+    def last_met(rank: int, moment: float) -> float:
+        """When ``rank`` last left a wait (or the barrier) before ``moment``."""
+        return max([starts[rank], *(event.returned for event in rank_events[rank] if event.returned is not None and event.returned <= moment)])
+
     samples = []
-    for key, arrivals in collectives.items():
-        if len(arrivals) == len(key[1]) >= 2:
+    for (_, group, _), members in matched_collectives(rank_events).items():
+        if len(members) == len(group) >= 2:
+            arrivals = {rank: event.issue_returned or event.issued for rank, event in members.items()}
             spread = (max(arrivals.values()) - min(arrivals.values())) / expected_range(len(arrivals))
-            samples.append((statistics.fmean(computed[key].values()), spread))
+            computed = statistics.fmean(arrived - last_met(rank, members[rank].issued) for rank, arrived in arrivals.items())
+            samples.append((computed, spread))
     if len(rank_events) >= 2:
-        since = [end - max([start, *(event.returned for event in events if event.returned is not None)])
-                 for start, end, events in zip(starts, ends, rank_events, strict=True)]
+        since = [end - last_met(rank, end) for rank, end in enumerate(ends)]
         samples.append((statistics.fmean(since), (max(ends) - min(ends)) / expected_range(len(ends))))
     return samples
 
