@@ -174,10 +174,21 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> HardwareSpec:
         busy_issue_s=float(data.get("busy_issue_s", 0.0)),
         in_step_factor=_by_world_size_or_one(data.get("in_step_factor", 1.0)),
         late_receive_s={int(ranks): float(seconds) for ranks, seconds in (data.get("late_receive_s") or {}).items()},
-        jitter_s={int(ranks): (float(fit[0]), float(fit[1])) for ranks, fit in (data.get("jitter_s") or {}).items()},
+        jitter_s=_jitter_entries(data.get("jitter_s") or {}, source),
         collectives=collectives,
         optimizer=None if data.get("optimizer") is None else (float(data["optimizer"][0]), float(data["optimizer"][1])),
     )
+
+
+def _jitter_entries(table: dict[Any, Any], source: str) -> dict[int, tuple[float, float]]:
+    """``jitter_s`` as ``{ranks: (seconds, share)}``; an entry of another form is refused by name."""
+    entries = {}
+    for ranks, fit in table.items():
+        if not isinstance(fit, (list, tuple)) or len(fit) != 2:
+            raise ValueError(f"hardware spec {source}: jitter_s[{ranks}] is {fit!r}; give [seconds, share] "
+                             "(the clock spread at each meeting of ranks, and its share of the compute since)")
+        entries[int(ranks)] = (float(fit[0]), float(fit[1]))
+    return entries
 
 
 def _by_world_size_or_one(value: Any) -> float | dict[int, float]:

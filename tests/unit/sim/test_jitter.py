@@ -137,3 +137,10 @@ def test_a_spec_gives_its_jitter_by_world_size() -> None:
     assert spec_from_dict(base).jitter(2) == (0.0, 0.0)
     assert load_spec("a100").jitter(8) == (0.0, 0.0)
     assert load_spec("cpu").jitter(2)[1] > 0  # the shipped calibration measured it
+
+
+def test_a_jitter_entry_that_is_not_seconds_and_share_is_refused_by_name() -> None:
+    base = {"name": "x", "memory_bytes": 1, "peak_flops": {"float32": 1.0}, "memory_bandwidth": 1.0,
+            "links": {"intra_node": {"bandwidth": 1.0, "latency": 0.0}, "inter_node": {"bandwidth": 1.0, "latency": 0.0}}}
+    with pytest.raises(ValueError, match=r"jitter_s\[2\] is 0.3; give \[seconds, share\]"):
+        spec_from_dict({**base, "jitter_s": {2: 0.3}}, "mine.yaml")
