@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import yaml
 
 import lightning_nnscaler as lnn
@@ -80,7 +79,7 @@ def rank_main(rank: int, world_size: int) -> dict[str, list[tuple[int, float]]]:
     samples: dict[tuple[str, int], list[float]] = {}
 
     def loop(kind: str, buffer: torch.Tensor) -> float:
-        dist.barrier()
+        communicator.barrier()
         start = time.perf_counter()
         for tag in range(ITERATIONS):
             burst @ burst
@@ -96,7 +95,7 @@ def rank_main(rank: int, world_size: int) -> dict[str, list[tuple[int, float]]]:
             elif kind == "all_to_all":
                 communicator.all_to_all(buffer, 0, 0, everyone)
         communicator.wait_sends()
-        dist.barrier()
+        communicator.barrier()
         return (time.perf_counter() - start) / ITERATIONS
 
     for _ in range(REPEATS):
@@ -155,14 +154,14 @@ def logged_steps(rank: int, world_size: int, width: int, sources: list[str], con
     steps = []
     for index in range(STEPS + 2):
         communicator.events = []
-        dist.barrier()
+        communicator.barrier()
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)  # as Lightning's loop (and benchmarks/simulator_accuracy.py) does each step
         executor.forward_backward(inputs)
         optimizer.step()
         executor.after_optimizer_step()
         seconds = time.perf_counter() - start
-        dist.barrier()
+        communicator.barrier()
         if index >= 2:
             steps.append((start, seconds, communicator.events))
     return steps
@@ -214,7 +213,7 @@ def measure_in_step(plans: list[tuple[int, lnn.Plan]], spec: HardwareSpec) -> In
             offsets = [plan.input_offsets(rank) for rank in range(plan.world_size)]
             names = [tensor.name for tensor in plan.graph.user_inputs]
             per_rank = launch(logged_steps, plan.world_size, width, plan.sources, dict(plan.graph.constant_values), names, offsets,
-                              timeout=300.0, preload=("lightning_nnscaler",))
+                              timeout=300.0, preload=("lightning_nnscaler",), bind_cores=True)
             for step in zip(*per_rank, strict=True):
                 rank_events = [events for _, _, events in step]
                 for key, points in in_step_durations(rank_events, cores=os.cpu_count()).items():
@@ -290,7 +289,7 @@ def calibrate(output: Path) -> None:
     compute = measure_compute()
     collectives: dict[str, dict[int, list[float]]] = {}
     for world_size in (2, 4):
-        for kind, (alpha, beta) in fit(world_size, launch(rank_main, world_size, timeout=300.0)).items():
+        for kind, (alpha, beta) in fit(world_size, launch(rank_main, world_size, timeout=300.0, bind_cores=True)).items():
             collectives.setdefault(kind, {})[world_size] = [alpha, beta]
     loop_p2p = collectives["p2p"][2]  # the links (the fallback for what no table entry covers) keep the loop's figures
     spec = {

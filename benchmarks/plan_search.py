@@ -70,7 +70,7 @@ def search_and_measure(rounds: int, steps: int) -> None:
         rows.append({"name": name, "payload": payload_of(plan, steps), "predicted": predicted, "steps": []})
     for round_index in range(rounds):
         for row in rows:
-            results = launch(rank_main, WORLD_SIZE, row["payload"], timeout=300.0, preload=RANK_PRELOAD)
+            results = launch(rank_main, WORLD_SIZE, row["payload"], timeout=300.0, preload=RANK_PRELOAD, bind_cores=True)
             measured = [max(result["times"][index] for result in results) for index in range(steps)]
             row["steps"] += measured
             print(f"round {round_index}: {row['name']}: fastest {min(measured) * 1e3:.1f} ms (load average {os.getloadavg()[0]:.1f})", flush=True)

@@ -2,7 +2,8 @@
 
 Each plan (GPT, mBART-style and Evoformer-style reference models; dp, tp, coshard, zero3, gpipe,
 1f1b, interleaved, zb1, interlaced, 3f1b at 2 and 4 ranks) is planned in this process and run on fresh
-gloo processes (one intra-op thread per rank): warm-up steps, then timed steps of
+gloo processes (one intra-op thread per rank, each on a core of its own where there are as many cores as ranks:
+``launch(..., bind_cores=True)``, so that the runtime polls for collectives, ``runtime.comm``): warm-up steps, then timed steps of
 ``forward_backward`` + AdamW ``step`` (barrier before and after; a step's time is the slowest
 rank's). All plans run once per round, rounds interleaved. The prediction is compared with the median step
 (the spec's communication and in-step compute are calibrated on typical, median, costs in steps) and with
@@ -49,7 +50,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 import lightning_nnscaler as lnn
 from lightning_nnscaler.codegen import module_from_source
@@ -124,13 +124,13 @@ def timed_plan(rank: int, payload: Payload) -> tuple[RankExecutor, torch.optim.O
     optimizer = torch.optim.AdamW(executor.parameters())
 
     def step() -> float:
-        dist.barrier()
+        executor.communicator.barrier()
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)  # as Lightning's loop does each step
         executor.forward_backward(inputs)
         optimizer.step()
         executor.after_optimizer_step()
-        dist.barrier()
+        executor.communicator.barrier()
         return time.perf_counter() - start
 
     for _ in range(2):
@@ -242,7 +242,7 @@ def main() -> None:
         print(f"planned {rows[-1]['name']}: predicted {prediction.step_seconds * 1e3:.1f} ms", flush=True)
     for round_index in range(args.rounds):
         for row in rows:
-            results = launch(rank_main, row["world"], row["payload"], timeout=300.0, preload=RANK_PRELOAD)
+            results = launch(rank_main, row["world"], row["payload"], timeout=300.0, preload=RANK_PRELOAD, bind_cores=True)
             steps = [max(result["times"][index] for result in results) for index in range(args.steps)]
             row["rounds"] += steps
             row["round_fastest"] = [*row.get("round_fastest", []), min(steps)]

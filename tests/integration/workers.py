@@ -162,3 +162,10 @@ def where_am_i(rank: int, world_size: int, variable: str) -> tuple[str | None, s
     import sys
 
     return os.environ.get(variable), os.getcwd(), "lightning.pytorch" in sys.modules
+
+
+def thread_cores(rank: int, world_size: int) -> list[set[int]]:
+    """The cores each thread of this rank's process may run on (the backend's threads included)."""
+    import os
+
+    return [os.sched_getaffinity(int(thread)) for thread in os.listdir("/proc/self/task")]
