@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import yaml
 
 import lightning_nnscaler as lnn
@@ -79,7 +80,7 @@ def rank_main(rank: int, world_size: int) -> dict[str, list[tuple[int, float]]]:
     samples: dict[tuple[str, int], list[float]] = {}
 
     def loop(kind: str, buffer: torch.Tensor) -> float:
-        communicator.barrier()
+        dist.barrier()
         start = time.perf_counter()
         for tag in range(ITERATIONS):
             burst @ burst
@@ -95,7 +96,7 @@ def rank_main(rank: int, world_size: int) -> dict[str, list[tuple[int, float]]]:
             elif kind == "all_to_all":
                 communicator.all_to_all(buffer, 0, 0, everyone)
         communicator.wait_sends()
-        communicator.barrier()
+        dist.barrier()
         return (time.perf_counter() - start) / ITERATIONS
 
     for _ in range(REPEATS):
@@ -154,14 +155,14 @@ def logged_steps(rank: int, world_size: int, width: int, sources: list[str], con
     steps = []
     for index in range(STEPS + 2):
         communicator.events = []
-        communicator.barrier()
+        dist.barrier()
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)  # as Lightning's loop (and benchmarks/simulator_accuracy.py) does each step
         executor.forward_backward(inputs)
         optimizer.step()
         executor.after_optimizer_step()
         seconds = time.perf_counter() - start
-        communicator.barrier()
+        dist.barrier()
         if index >= 2:
             steps.append((start, seconds, communicator.events))
     return steps

@@ -3,7 +3,7 @@
 Each plan (GPT, mBART-style and Evoformer-style reference models; dp, tp, coshard, zero3, gpipe,
 1f1b, interleaved, zb1, interlaced, 3f1b at 2 and 4 ranks) is planned in this process and run on fresh
 gloo processes (one intra-op thread per rank, each on a core of its own where there are as many cores as ranks:
-``launch(..., bind_cores=True)``, so that the runtime polls for collectives, ``runtime.comm``): warm-up steps, then timed steps of
+``launch(..., bind_cores=True)``): warm-up steps, then timed steps of
 ``forward_backward`` + AdamW ``step`` (barrier before and after; a step's time is the slowest
 rank's). All plans run once per round, rounds interleaved. The prediction is compared with the median step
 (the spec's communication and in-step compute are calibrated on typical, median, costs in steps) and with
@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 import lightning_nnscaler as lnn
 from lightning_nnscaler.codegen import module_from_source
@@ -124,13 +125,13 @@ def timed_plan(rank: int, payload: Payload) -> tuple[RankExecutor, torch.optim.O
     optimizer = torch.optim.AdamW(executor.parameters())
 
     def step() -> float:
-        executor.communicator.barrier()
+        dist.barrier()
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)  # as Lightning's loop does each step
         executor.forward_backward(inputs)
         optimizer.step()
         executor.after_optimizer_step()
-        executor.communicator.barrier()
+        dist.barrier()
         return time.perf_counter() - start
 
     for _ in range(2):

@@ -28,20 +28,10 @@ Conventions shared by every implementation:
 - Every wait is bounded by the communicator's timeout and raises ``CommunicationError`` naming the
   op, the peer or group, the tag and the timeout, so a dead or diverged peer fails instead of hangs.
   After a ``CommunicationError`` the communicator is unusable (gloo closes the pair on a timeout).
-
-A gloo rank that has a core to itself (``launch(..., bind_cores=True)``) polls for its collectives instead of
-sleeping in them: it yields its core to the backend's threads until the collective is done. A sleeping rank's
-idle core can take until the next timer tick to wake (a VM's vCPU halts): measured on 2 bound gloo ranks here, a
-256-byte all-reduce after 5 ms of compute took 2.9 ms (median) blocking and 0.15 ms polled, a 1 MB one 2.9 ms
-and 0.29 ms, and the benchmark mBART's interlaced step fell from 82 to 48 ms. Point-to-point waits and
-reduce-scatters still sleep: gloo reports them done only to ``wait``. A rank polls for at most ``POLL_LIMIT_S``,
-then sleeps for the rest of the timeout.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from datetime import timedelta
 from typing import Callable, Iterable, Protocol, Sequence, runtime_checkable
 
@@ -49,10 +39,6 @@ import torch
 import torch.distributed as dist
 
 from lightning_nnscaler.runtime.groups import GroupCache, MissingGroupError
-
-
-POLL_LIMIT_S = 1.0
-"""The longest a rank polls for a collective before it sleeps in it (a peer that late is not waited for promptly)."""
 
 
 class CommunicationError(RuntimeError):
@@ -165,11 +151,9 @@ class TorchDistributedCommunicator:
 
     Args:
         timeout: seconds every wait may take before it raises ``CommunicationError``.
-        poll_collectives: poll for collectives rather than sleep in them (see the module docstring); None: on
-            gloo when this process may run on one core only.
     """
 
-    def __init__(self, timeout: float, poll_collectives: bool | None = None) -> None:
+    def __init__(self, timeout: float) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
                 "TorchDistributedCommunicator needs the default process group: "
@@ -191,8 +175,6 @@ class TorchDistributedCommunicator:
         # the sender's communication thread (0.4-1.4 ms on average on shared cores, against 0.0-0.4 ms posted first).
         # NCCL runs a pair's messages in order on one stream: a receive posted early would hold up the sends behind it.
         self.posts_receives = dist.get_backend() == "gloo"
-        self.polls_collectives = poll_collectives if poll_collectives is not None else (
-            dist.get_backend() == "gloo" and hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) == 1)
 
     def create_groups(self, all_rank_tuples: Iterable[Sequence[int]]) -> None:
         tuples = [tuple(sorted(ranks)) for ranks in all_rank_tuples]
@@ -288,8 +270,7 @@ class TorchDistributedCommunicator:
         chunks = [chunk.contiguous() for chunk in tensor.detach().chunk(len(ranks), dim)]
         result = torch.empty_like(chunks[0])
         if len(ranks) > 1:
-            # gloo's reduce_scatter reports itself done only to wait: it cannot be polled
-            self._run(lambda: dist.reduce_scatter(result, chunks, group=group, async_op=True), f"reduce_scatter over ranks {ranks}", poll=False)
+            self._run(lambda: dist.reduce_scatter(result, chunks, group=group, async_op=True), f"reduce_scatter over ranks {ranks}")
         else:
             result.copy_(chunks[0])
         return result
@@ -333,22 +314,13 @@ class TorchDistributedCommunicator:
         except Exception as error:  # gloo and NCCL raise RuntimeError / DistBackendError with the cause
             raise CommunicationError(f"rank {self.rank}: {description} could not start: {error}") from error
 
-    def _run(self, start: Callable[[], dist.Work], description: str, poll: bool = True) -> None:
+    def _run(self, start: Callable[[], dist.Work], description: str) -> None:
         """Start a collective and wait for it (``_issue``, ``_wait``)."""
-        self._wait(self._issue(start, description), description, poll=poll)
+        self._wait(self._issue(start, description), description)
 
-    def _wait(self, work: dist.Work, description: str, poll: bool = False) -> None:
-        """Wait for ``work`` within the timeout; with ``poll`` (a collective whose work reports itself done) and
-        ``polls_collectives``, first poll for up to ``POLL_LIMIT_S``."""
-        timeout = self.timeout
-        if poll and self.polls_collectives:
-            start = time.monotonic()
-            polled_until = start + min(POLL_LIMIT_S, timeout)
-            while not work.is_completed() and time.monotonic() < polled_until:
-                os.sched_yield()  # the backend's threads share this core
-            timeout = max(start + timeout - time.monotonic(), 0.001)
+    def _wait(self, work: dist.Work, description: str) -> None:
         try:
-            completed = work.wait(timeout=timedelta(seconds=timeout))
+            completed = work.wait(timeout=timedelta(seconds=self.timeout))
         except Exception as error:  # gloo and NCCL raise RuntimeError / DistBackendError with the cause
             raise CommunicationError(
                 f"rank {self.rank}: {description} failed or did not complete within {self.timeout} s: {error}"
@@ -365,6 +337,6 @@ class _TorchHandle:
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            self._communicator._wait(self._work, self._description, poll=True)
+            self._communicator._wait(self._work, self._description)
             self._work = None
         return self._result

@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from lightning_nnscaler.runtime import CommunicationError, MissingGroupError, TorchDistributedCommunicator, run_ranks
 from lightning_nnscaler.runtime import autograd_comm as ac
-from lightning_nnscaler.runtime.comm import POLL_LIMIT_S
 
 SHAPE = (4, 6)  # dim 0 splits into 2 or 4 chunks
 COMMUNICATION_TIMEOUT = 5.0  # seconds; the failure scenarios use shorter ones
@@ -262,49 +261,7 @@ def posted_scenario(comm) -> dict:
     return {"values": values, "refused": refused, "posted_left": len(comm._posted)}
 
 
-def polled_scenario(comm) -> dict:
-    """A rank bound to one core: whether it polls, a blocking sum and an in-place async one, and the seconds each
-    kind of collective takes (a polled one whose work never reported itself done would take ``POLL_LIMIT_S``)."""
-    everyone = tuple(range(comm.world_size))
-    comm.create_groups([everyone])
-    summed = comm.all_reduce(torch.full((3,), float(comm.rank + 1)), everyone)
-    buffer = torch.full((3,), 10.0 * (comm.rank + 1))
-    handle = comm.all_reduce_async(buffer, everyone, in_place=True)
-    result = {"polls": comm.polls_collectives, "sum": summed, "async": handle.wait()}
-    runs = {
-        "all_reduce": lambda: comm.all_reduce(torch.ones(4), everyone),
-        "all_reduce_async": lambda: comm.all_reduce_async(torch.ones(4), everyone).wait(),
-        "all_gather": lambda: comm.all_gather(torch.ones(4), 0, everyone),
-        "reduce_scatter": lambda: comm.reduce_scatter(torch.ones(4), 0, everyone),
-        "all_to_all": lambda: comm.all_to_all(torch.ones(4), 0, 0, everyone),
-        "broadcast": lambda: comm.broadcast(torch.ones(4) if comm.rank == 0 else None, 0, everyone, (4,), torch.float32),
-        "barrier": comm.barrier,
-    }
-    seconds = {}
-    for kind, run in runs.items():
-        comm.barrier()
-        start = time.monotonic()
-        run()
-        seconds[kind] = time.monotonic() - start
-    return {**result, "seconds": seconds}
-
-
-def silent_collective_peer_scenario(comm) -> dict:
-    """Rank 0 sums with a rank 1 that never joins."""
-    start = time.monotonic()
-    if comm.rank == 1:
-        time.sleep(2 * comm.timeout)  # alive but silent until rank 0 timed out
-        os._exit(0)
-    try:
-        comm.all_reduce(torch.ones(2), (0, 1))
-    except CommunicationError as error:
-        return {"error": str(error), "elapsed": time.monotonic() - start, "polls": comm.polls_collectives}
-    return {"error": None}
-
-
 SCENARIOS = {
-    "polled": (polled_scenario, COMMUNICATION_TIMEOUT),
-    "silent_collective_peer": (silent_collective_peer_scenario, 1.0),
     "posted": (posted_scenario, COMMUNICATION_TIMEOUT),
     "collectives": (collectives_scenario, COMMUNICATION_TIMEOUT),
     "autograd": (autograd_scenario, COMMUNICATION_TIMEOUT),
@@ -319,13 +276,8 @@ SCENARIOS = {
 
 
 def _worker(rank: int, world_size: int, port: int, scenario: str, out_dir: str) -> None:
-    """One process: join the group, run the scenario, save its result (or the traceback), exit. A scenario named
-    ``NAME:bound`` runs NAME with each rank bound to one core (round robin), before the group starts."""
+    """One process: join the group, run the scenario, save its result (or the traceback), exit."""
     torch.set_num_threads(1)  # 4 ranks share 2 cores in CI
-    scenario, _, bound = scenario.partition(":")
-    if bound:
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
     program, timeout = SCENARIOS[scenario]
     try:
         dist.init_process_group(
@@ -494,53 +446,6 @@ def test_a_silent_peer_times_out_naming_op_peer_tag_and_timeout(tmp_path):
     result = outcomes[0].result
     assert "rank 0: recv from rank 1 with tag 3 failed or did not complete within 1.0 s" in result["error"]
     assert 0.9 < result["elapsed"] < 5
-
-
-@pytest.mark.timeout(60)
-def test_a_rank_bound_to_one_core_polls_its_collectives_and_sums_the_same(tmp_path):
-    outcomes, _ = launch(2, "polled:bound", tmp_path)
-    assert_succeeded(outcomes)
-    for outcome in outcomes:
-        assert outcome.result["polls"] is True
-        assert outcome.result["sum"].tolist() == [3.0] * 3
-        assert outcome.result["async"].tolist() == [30.0] * 3
-        slow = {kind: seconds for kind, seconds in outcome.result["seconds"].items() if seconds > POLL_LIMIT_S / 2}
-        assert not slow, f"polled until the limit: their work never reported itself done {slow}"
-    (tmp_path / "unbound").mkdir()
-    unbound, _ = launch(2, "polled", tmp_path / "unbound")
-    assert_succeeded(unbound)
-    assert [outcome.result["polls"] for outcome in unbound] == [len(os.sched_getaffinity(0)) == 1] * 2
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_polled_collectives_give_the_in_memory_worlds_values(world_size, tmp_path):
-    outcomes, _ = launch(world_size, "collectives:bound", tmp_path)
-    assert_succeeded(outcomes)
-    expected = run_ranks(world_size, collectives_scenario, timeout=COMMUNICATION_TIMEOUT)
-    for rank, outcome in enumerate(outcomes):
-        assert_same_results(outcome.result, expected[rank], rank)
-
-
-@pytest.mark.timeout(60)
-def test_a_polled_collective_whose_peer_is_silent_times_out_naming_it(tmp_path):
-    outcomes, _ = launch(2, "silent_collective_peer:bound", tmp_path)
-    assert_succeeded(outcomes)
-    result = outcomes[0].result
-    assert result["polls"] is True
-    assert "rank 0: all_reduce over ranks (0, 1) failed or did not complete within 1.0 s" in result["error"]
-    assert 0.9 < result["elapsed"] < 5
-
-
-@pytest.mark.timeout(60)
-def test_a_killed_rank_makes_polling_ranks_raise_instead_of_hang(tmp_path):
-    outcomes, elapsed = launch(4, "killed_peer:bound", tmp_path)
-    assert elapsed < 60
-    assert outcomes[-1].exitcode == KILLED_EXIT_CODE
-    assert_succeeded(outcomes[:-1])
-    for outcome in outcomes[:-1]:
-        assert outcome.result["error"] is not None, "a survivor's wait on the dead rank returned normally"
-        assert outcome.result["elapsed"] < SCENARIOS["killed_peer"][1] + 5
 
 
 @pytest.mark.timeout(60)
