@@ -13,10 +13,10 @@ importing torch and Lightning again (the test suite starts dozens of ranks this 
 
 ``bind_cores`` gives each rank a core of its own (``os.sched_setaffinity``, before the group starts, so
 the backend's threads run there too), as DeepSpeed's ``--bind_cores_to_rank`` does: a rank's communication
-threads then take time from its own compute, not from a peer's. Measured on 2 gloo ranks sharing 2 cores
-(the benchmark GPT): tensor-parallel steps 36-37 ms bound against 38-44 ms unbound, with the fastest step
-within 5 % of the median (unbound: 20 %). With more ranks than cores no rank is bound: the OS shares the
-cores among them.
+threads then take time from its own compute, not from a peer's. Measured on 2 gloo ranks on 2 cores (the
+simulator benchmark's GPT, median steps of 20-step rounds): tensor-parallel 35-37 ms bound against 38-52 ms
+unbound, interleaved pipeline 32-34 ms against 39-48 ms. With more ranks than cores no rank is bound: the OS
+shares the cores among them.
 """
 
 from __future__ import annotations

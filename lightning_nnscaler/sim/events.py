@@ -17,8 +17,8 @@ With ``Machine.compute_jitter`` or ``Machine.meeting_jitter_seconds`` set, a ran
 ``compute_jitter`` × the compute it ran since. A collective starts at the expected latest arrival of its
 members and the step ends at the expected latest end of the ranks. A receive is not priced for noise: the
 spread is measured where ranks meet in collectives, and a message couples its two clocks (pipeline stages
-exchange one every few milliseconds), so treating them as independent at every receive priced the benchmark's
-pipelines 10-19 % high where they measured within 5 % without it.
+exchange one every few milliseconds): treating them as independent at every receive priced the benchmark's
+GPT pipelines 12-19 % high on bound ranks, against 3-14 % without it.
 """
 
 from __future__ import annotations
