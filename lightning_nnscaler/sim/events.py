@@ -15,10 +15,12 @@ so does one the runtime posted where its message was sent (``Recv.posted``).
 With ``Machine.compute_jitter`` or ``Machine.meeting_jitter_seconds`` set, a rank's clock is uncertain
 (``sim.jitter``): by ``meeting_jitter_seconds`` when it leaves a wait for other ranks (or starts the step), plus
 ``compute_jitter`` × the compute it ran since. A collective starts at the expected latest arrival of its
-members and the step ends at the expected latest end of the ranks. A receive is not priced for noise: the
-spread is measured where ranks meet in collectives, and a message couples its two clocks (pipeline stages
-exchange one every few milliseconds): treating them as independent at every receive priced the benchmark's
-GPT pipelines 12-19 % high on bound ranks, against 3-14 % without it.
+members and the step ends at the expected latest end of the ranks. A receive returns at the expected later of
+its own posting and its message's arrival only where a node's ranks outnumber its cores: there a message does
+not start its receiver, the scheduler does, and the two clocks stay apart. Where each rank has a core, a message
+couples its two clocks (pipeline stages exchange one every few milliseconds): treating them as independent at
+every receive priced the benchmark's GPT pipelines on 2 bound ranks 12-19 % high, against 3-14 % without it,
+and dropping it on 4 ranks sharing 2 cores priced their 1F1B 15 % low, against 8 % with it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import heapq
 from collections import deque
 from collections.abc import Sequence
 
-from lightning_nnscaler.sim.jitter import latest
+from lightning_nnscaler.sim.jitter import chance_first, later_of, latest
 from lightning_nnscaler.sim.results import CommunicationModel, Machine, RankStats, Span
 from lightning_nnscaler.sim.tasks import Collective, Compute, Recv, Send, Task, WaitCollectives
 
@@ -54,7 +56,7 @@ class EventRun:
         self.wake_token = [0] * self.world  # a blocked rank waits for one thing: only its latest wake-up counts
         self.sent: dict[tuple[int, int], int] = {}
         self.received: dict[tuple[int, int], int] = {}
-        self.messages: dict[tuple[int, int, int], tuple[float, float]] = {}  # (src, dst, k) -> (posted, arrives)
+        self.messages: dict[tuple[int, int, int], tuple[float, float, float]] = {}  # (src, dst, k) -> (posted, arrives, sender's spread)
         self.channel_free: dict[tuple[int, int], float] = {}
         self.message_waiter: dict[tuple[int, int, int], int] = {}
         self.collective_count: dict[tuple[int, tuple[int, ...]], int] = {}
@@ -72,7 +74,10 @@ class EventRun:
         self.jitter = machine.compute_jitter if self.shared else 0.0
         self.met = machine.meeting_jitter_seconds if self.shared else 0.0
         self.noisy = bool(self.jitter or self.met)
-        self.spread = [self.met] * self.world  # a rank clock's standard deviation since it last met the others in a collective (sim.jitter)
+        self.spread = [self.met] * self.world  # a rank clock's standard deviation since it last met others (sim.jitter)
+        time_shared = self.shared and min(self.world, machine.ranks_per_node) > machine.cores_per_node
+        self.noisy_receives = self.noisy and time_shared  # see the module docstring
+        self.jitter_until: dict[tuple[int, int, int], tuple[float, float]] = {}  # message -> (expected return, receiver's spread after)
 
     def go(self) -> None:
         """Advance ready ranks at ``now``, then take the next event in time order, until none is left."""
@@ -187,7 +192,7 @@ class EventRun:
         start = max(self.now, self.channel_free.get(channel, 0.0))
         self.channel_free[channel] = start + transfer
         key = (rank, task.peer, number)
-        self.messages[key] = (self.now, start + transfer + latency)
+        self.messages[key] = (self.now, start + transfer + latency, self.spread[rank])
         waiter = self.message_waiter.pop(key, None)
         if waiter is not None:
             self.push(start + transfer + latency, waiter)
@@ -201,9 +206,15 @@ class EventRun:
             self.message_waiter[key] = rank
             self.waited.add(key)
             return self._block(rank)
-        posted, arrives = message
+        posted, arrives, sender_spread = message
         if self.shared and self.machine.late_receive_seconds and key not in self.waited and not task.posted:  # see the module docstring
             arrives = max(arrives, self.late_until.setdefault(key, self.now + self.machine.late_receive_seconds))
+        if self.noisy_receives:
+            if key not in self.jitter_until:
+                mine, theirs = (since, self.spread[rank]), (arrives, sender_spread)
+                waited = chance_first(mine, theirs)
+                self.jitter_until[key] = (later_of(mine, theirs)[0], self.spread[rank] * (1.0 - waited) + self.met * waited)
+            arrives = max(arrives, self.jitter_until[key][0])
         if arrives > self.now:
             self.push(arrives, rank)
             return self._block(rank)
@@ -211,6 +222,8 @@ class EventRun:
         self.late_until.pop(key, None)
         self.received[channel] = key[2] + 1
         del self.messages[key]
+        if self.noisy_receives:
+            self.spread[rank] = self.jitter_until.pop(key)[1]  # as far as the receiver waited, it met the sender
         self.stats[rank].sent_bytes -= task.releases
         self._account_wait(rank, since, max(since, posted), "recv", task.label)
         return True

@@ -11,7 +11,7 @@ The event engine (``sim.events``) keeps, per rank, the standard deviation of its
 leaves a wait for other ranks (``Machine.meeting_jitter_seconds``: the ranks do not wake at once) plus
 ``Machine.compute_jitter`` × the compute it ran since (the noise of a stretch of compute is one slowdown,
 not independent per op), and starts a collective at the expected maximum of its members' arrival times and
-ends the step at the expected latest end (not a receive: see ``sim.events``). Where one rank arrives well
+ends the step at the expected latest end (a receive only where ranks outnumber cores: see ``sim.events``). Where one rank arrives well
 before the other, the expected maximum is the later arrival and the noise costs nothing. Both figures are measured (``sim.in_step.arrival_spreads``):
 how far apart ranks with the same work reach their collectives, against the compute each ran since it last
 met the others (2 gloo ranks here: 0.4 ms + 0.16 × the compute; 4 ranks on 2 cores: 1.5 ms + 0.2 ×).
@@ -58,6 +58,14 @@ def latest(arrivals: Iterable[tuple[float, float]]) -> tuple[float, float]:
     if result is None:
         raise ValueError("latest() of no arrivals")
     return result
+
+
+def chance_first(a: tuple[float, float], b: tuple[float, float]) -> float:
+    """The probability that ``A`` comes before ``B`` (both ``(mean, standard deviation)``, independent normal)."""
+    theta = math.hypot(a[1], b[1])
+    if theta == 0.0:
+        return 1.0 if a[0] < b[0] else 0.0
+    return _cdf((b[0] - a[0]) / theta)
 
 
 @cache

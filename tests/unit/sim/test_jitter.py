@@ -9,7 +9,7 @@ import pytest
 
 from lightning_nnscaler.runtime.logged_comm import Event
 from lightning_nnscaler.sim.in_step import arrival_spreads, fit_jitter
-from lightning_nnscaler.sim.jitter import expected_range, later_of, latest
+from lightning_nnscaler.sim.jitter import chance_first, expected_range, later_of, latest
 from lightning_nnscaler.sim.simulate import Machine, simulate
 from lightning_nnscaler.sim.specs import load_spec, spec_from_dict
 from lightning_nnscaler.sim.tasks import Collective, Compute, Recv, Send
@@ -45,6 +45,7 @@ def test_the_later_of_two_unlike_arrivals_agrees_with_sampling() -> None:
     mean, std = later_of((1.0, 0.5), (1.4, 1.2))
     assert mean == pytest.approx(np.maximum(a, b).mean(), rel=5e-3)
     assert std == pytest.approx(np.maximum(a, b).std(), rel=5e-3)
+    assert chance_first((1.0, 0.5), (1.4, 1.2)) == pytest.approx((a < b).mean(), abs=3e-3)
 
 
 def test_without_noise_or_far_apart_the_latest_is_the_plain_maximum() -> None:
@@ -86,7 +87,7 @@ def test_a_receiver_far_behind_its_message_pays_nothing_for_the_noise() -> None:
     assert quiet.step_seconds == pytest.approx(21.0)
 
 
-def test_a_receive_is_not_priced_for_noise_and_the_spread_meets_at_the_end() -> None:
+def test_with_a_core_per_rank_a_receive_is_not_priced_for_noise() -> None:
     """A message couples its two clocks: the receive returns when the message arrives, as without noise. The
     receiver's spread keeps growing past it (it has not met the others in a collective), and the step ends at the
     expected latest of the sender's end (10 s, 1 s of spread) and the receiver's (11 s, 1.1 s)."""
@@ -94,6 +95,18 @@ def test_a_receive_is_not_priced_for_noise_and_the_spread_meets_at_the_end() -> 
     noisy = simulate(lists, Fixed(), Machine(8, 8, compute_jitter=0.1), record=True)
     assert noisy.ranks[1].end == pytest.approx(11.0)
     assert noisy.step_seconds == pytest.approx(latest([(10.0, 1.0), (11.0, 1.1)])[0])
+
+
+def test_where_ranks_outnumber_cores_a_receiver_that_waits_waits_for_the_senders_noise() -> None:
+    """Two ranks on one core: each computes its 10 s in 20 s (2 s of spread each), and the receive returns at their
+    expected later end. The step ends at the expected latest of the sender's end and the receiver's (half of its
+    spread left: it waited for the sender one time in two)."""
+    lists = [[Compute(10.0), Send(1, 8)], [Compute(10.0), Recv(0)]]
+    noisy = simulate(lists, Fixed(), Machine(8, 1, compute_jitter=0.1), record=True)
+    received = later_of((20.0, 2.0), (20.0, 2.0))[0]
+    assert received == pytest.approx(20.0 + 2.0 * math.sqrt(2) / math.sqrt(2 * math.pi))
+    assert noisy.ranks[1].end == pytest.approx(received)
+    assert noisy.step_seconds == pytest.approx(latest([(20.0, 2.0), (received, 1.0)])[0])
 
 
 def test_one_device_per_rank_has_no_jitter() -> None:
