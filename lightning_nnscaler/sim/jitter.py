@@ -13,8 +13,8 @@ leaves a wait for other ranks (``Machine.meeting_jitter_seconds``: the ranks do 
 not independent per op), and starts a collective at the expected maximum of its members' arrival times and
 ends the step at the expected latest end (a receive only where ranks outnumber cores: see ``sim.events``).
 Where one rank arrives well before the other, the expected maximum is the later arrival and the noise costs
-nothing. Both figures are measured (``sim.in_step.arrival_spreads``): how far apart ranks with the same work reach their collectives, against the compute each ran since it last
-met the others (2 gloo ranks here: 0.4 ms + 0.16 × the compute; 4 ranks on 2 cores: 1.5 ms + 0.2 ×).
+nothing. Both figures are measured (``sim.in_step.arrival_spreads``): how far apart ranks with the same work
+reach their collectives, against the compute each ran since it last met the others (2 gloo ranks here: 0.4 ms + 0.16 × the compute; 4 ranks on 2 cores: 1.5 ms + 0.2 ×).
 """
 
 from __future__ import annotations
