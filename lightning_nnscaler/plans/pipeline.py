@@ -7,7 +7,8 @@
   placed where the fewest activation bytes cross it (between blocks: the residual stream). Ops that
   read no activation (a weight's transpose, position embeddings) join the stage of their first
   reader; ops that need no gradient and read only the batch and constants (a loss's count of kept
-  targets, masks) form the step's prologue, on the rank of their first reader.
+  targets, masks) form the step's prologue, on the rank of their first reader (one that no stage reads,
+  a logged value's, with the prologue op that feeds it).
 - **The schedule is op_order**: a ``schedules`` generator orders each rank's segments; it is
   validated (``schedules.validate``) before anything runs.
 - **Recompute per stage is op_recompute**: on the ranks of ``recompute_stages`` each segment is one
@@ -26,6 +27,7 @@ ranks. Ranks form the grid ``dp × pp × tp`` (tp fastest): stage ``s`` lives on
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -459,9 +461,32 @@ class StageCut:
     readers: dict[str, list[str]]
 
     def first_reader_stage(self, name: str) -> int:
-        """The first stage that reads ``name``'s outputs, through prologue ops (0 when none does)."""
-        stages = [self.stage_of[reader] if self.stage_of[reader] != PROLOGUE_STAGE else self.first_reader_stage(reader) for reader in self.readers.get(name, [])]
-        return min(stages, default=0)
+        """Where the prologue op ``name`` runs: the first stage that reads its outputs, through prologue ops.
+
+        An op no stage reads (a logged value computed from the batch: a loss's count of kept targets per
+        replica) runs with the prologue op that feeds it, so that the batch columns it shares with a
+        stage's op (the targets of the loss) are read on one rank rather than sent to it; with none, stage 0.
+        """
+        stage = self._reading_stage(name)
+        if stage is not None:
+            return stage
+        feeding = [feed for feed in self._feeds.get(name, []) if self.stage_of[feed] == PROLOGUE_STAGE]
+        return min((self.first_reader_stage(feed) for feed in feeding), default=0)
+
+    def _reading_stage(self, name: str) -> int | None:
+        """The first stage that reads ``name``'s outputs, through prologue ops; None when no stage does."""
+        stages = [self.stage_of[reader] if self.stage_of[reader] != PROLOGUE_STAGE else self._reading_stage(reader)
+                  for reader in self.readers.get(name, [])]
+        return min((stage for stage in stages if stage is not None), default=None)
+
+    @functools.cached_property
+    def _feeds(self) -> dict[str, list[str]]:
+        """Op name -> the ops whose outputs it reads (``readers`` inverted)."""
+        feeds: dict[str, list[str]] = {}
+        for producer, readers in self.readers.items():
+            for reader in readers:
+                feeds.setdefault(reader, []).append(producer)
+        return feeds
 
 
 def cut_stages(

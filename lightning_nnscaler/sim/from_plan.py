@@ -5,7 +5,8 @@ Non-pipelined plans: the rank's program in order (forward), then its transpose i
 collective its adjoint — ``runtime.autograd_comm``'s table), then the gradient reduction
 (``runtime.reducer``: stage 0 all-reduces buckets of ``BUCKET_BYTES`` per ranks tuple; ZeRO
 reduce-scatters buckets of the replicated boxes and all-gathers them, stage 1 after the optimizer
-step, stage 3 before the forward), the AdamW step over what the rank steps, and the loss sum.
+step, stage 3 before the forward), the AdamW step over what the rank steps, and the loss sum (a pipeline sums it after its gradients, as
+``runtime.executor`` does).
 
 Pipelined plans run the schedule's actions (``PipelinePlan.actions(rank)``) as ``runtime.pipeline``
 does: the prologue once, then per ``F(s, m)`` the boundary receives, the segment's forward and
@@ -271,7 +272,11 @@ class TaskBuilder:
         return boxes
 
     def _reduction(self, rank: int) -> list[Task]:
-        tasks: list[Task] = [CollectiveTask("all_reduce", tuple(range(self.program.world_size)), 8, "loss sum", blocking=False)]
+        everyone = tuple(range(self.program.world_size))
+        # runtime.executor: a plan that does not pipeline sums the loss while its gradients are summed; a pipeline
+        # starts the sum once its gradient sums are done, and waits for it before the optimizer step.
+        pipelined = self.program.pipelined
+        tasks: list[Task] = [] if pipelined else [CollectiveTask("all_reduce", everyone, 8, "loss sum", blocking=False)]
         replicated = self._replicated(rank)
         stage = self.plan.zero_stage
         if stage == 0:
@@ -280,6 +285,8 @@ class TaskBuilder:
         else:
             tasks += [CollectiveTask("reduce_scatter", ranks, nbytes, "zero gradients") for ranks, nbytes in _zero_buckets(replicated)]
         tasks.append(WaitCollectives("gradients"))
+        if pipelined:
+            tasks.append(CollectiveTask("all_reduce", everyone, 8, "loss sum"))
         tasks.append(Compute(self.compute.optimizer_seconds(self._stepped(rank)), "optimizer", "AdamW"))
         if stage == 1:
             tasks += [CollectiveTask("all_gather", ranks, nbytes, "zero1 gather") for ranks, nbytes in _zero_buckets(replicated)]

@@ -274,3 +274,20 @@ def test_layers_per_stage_that_cannot_be_cut_is_refused_naming_it(layers_per_sta
     stages = len(layers_per_stage.split(","))
     with pytest.raises(ValueError, match=message):
         lnn.parallelize(model, batch, "gpipe", stages, step="training_step", layers_per_stage=layers_per_stage, microbatches=stages)
+
+
+@pytest.mark.parametrize(("recipe", "params"), [("1f1b", {"stages": 2, "microbatches": 2}), ("gpipe", {"stages": 2, "microbatches": 4})])
+def test_a_loss_count_logged_per_replica_is_counted_where_the_loss_reads_the_targets(recipe: str, params: dict) -> None:
+    """With 2 replicas the loss's count of kept targets is also logged per replica (a value no stage reads): it is
+    counted in the last stage's prologue, beside the loss that reads the targets; stage 0 sends it neither the
+    targets nor their mask (the last stages exchange only their counts, for the loss's mean over the batch)."""
+    model, batch = gpt_and_batch()
+    plan = lnn.parallelize(model, batch, recipe, 4, step="training_step", **params)
+    assert any("_per_replica" in source for source in plan.sources)
+    targets = plan.graph.user_inputs[1].name  # the batch is (tokens, targets)
+    for rank, source in enumerate(plan.sources):
+        prologue = source.split("def prologue(")[1].split("\ndef ")[0]
+        sent = re.findall(r"comm\.send\(token, (\w+),", prologue)
+        assert all("_count" in name for name in sent), f"rank {rank}'s prologue sends {sent}"  # only the counts the replicas exchange
+        assert (f"held['{targets}']" in source) == (plan.pipeline.column_of_rank[rank] == 1), f"rank {rank}"
+    plan.verify()

@@ -8,11 +8,11 @@ import yaml
 
 import lightning_nnscaler as lnn
 from lightning_nnscaler.models.gpt import GPT, GPTConfig
-from lightning_nnscaler.sim import predict
+from lightning_nnscaler.sim import load_spec, predict
 from lightning_nnscaler.sim.costs import Roofline
 from lightning_nnscaler.sim.from_plan import plan_task_lists
 from lightning_nnscaler.sim.predict import DeviceModel
-from lightning_nnscaler.sim.tasks import Compute
+from lightning_nnscaler.sim.tasks import Collective, Compute, WaitCollectives
 from lightning_nnscaler.sim.specs import SPEC_DIRECTORY, spec_from_dict
 
 
@@ -53,3 +53,18 @@ def test_the_in_step_factor_may_be_given_per_world_size_and_prices_each_plan_by_
     computes = [[task.seconds for task in plan_task_lists(four, DeviceModel(spec, Roofline(spec)).for_ranks(4))[0] if isinstance(task, Compute)]
                 for spec in (flat, by_ranks)]
     assert computes[1] == pytest.approx([2 * seconds for seconds in computes[0]])
+
+
+@pytest.mark.parametrize("recipe, params", [("1f1b", {"stages": 2, "microbatches": 2}), ("dp", {})])
+def test_the_loss_is_summed_where_the_runtime_sums_it(gpt_and_batch, recipe: str, params: dict) -> None:
+    """runtime.executor: a pipeline sums the loss once its gradient sums are done and waits for it before the
+    optimizer step; another plan starts the sum before its gradient buckets and waits for them together."""
+    model, batch = gpt_and_batch
+    plan = lnn.parallelize(model, batch, recipe, 4, step="training_step", **params)
+    spec = load_spec("cpu")
+    for tasks in plan_task_lists(plan, DeviceModel(spec, Roofline(spec)).for_ranks(4)):
+        tail = [task for task in tasks if isinstance(task, (Collective, WaitCollectives, Compute)) and task.label in ("loss sum", "gradients", "AdamW")]
+        loss_sum = next(task for task in tail if task.label == "loss sum")
+        expected = ["gradients", "loss sum", "AdamW"] if recipe == "1f1b" else ["loss sum", "gradients", "AdamW"]
+        assert [task.label for task in tail] == expected
+        assert loss_sum.blocking == (recipe == "1f1b") and loss_sum.group == (0, 1, 2, 3)
