@@ -5,8 +5,8 @@ Non-pipelined plans: the rank's program in order (forward), then its transpose i
 collective its adjoint — ``runtime.autograd_comm``'s table), then the gradient reduction
 (``runtime.reducer``: stage 0 all-reduces buckets of ``BUCKET_BYTES`` per ranks tuple; ZeRO
 reduce-scatters buckets of the replicated boxes and all-gathers them, stage 1 after the optimizer
-step, stage 3 before the forward), the AdamW step over what the rank steps, and the loss sum (a pipeline sums it after its gradients, as
-``runtime.executor`` does).
+step, stage 3 before the forward), the AdamW step over what the rank steps, and the loss sum (with the
+gradients; a pipeline sums it after them, as ``runtime.executor`` does).
 
 Pipelined plans run the schedule's actions (``PipelinePlan.actions(rank)``) as ``runtime.pipeline``
 does: the prologue once, then per ``F(s, m)`` the boundary receives, the segment's forward and
