@@ -467,17 +467,24 @@ class StageCut:
         replica) runs with the prologue op that feeds it, so that the batch columns it shares with a
         stage's op (the targets of the loss) are read on one rank rather than sent to it; with none, stage 0.
         """
-        stage = self._reading_stage(name)
-        if stage is not None:
-            return stage
-        feeding = [feed for feed in self._feeds.get(name, []) if self.stage_of[feed] == PROLOGUE_STAGE]
-        return min((self.first_reader_stage(feed) for feed in feeding), default=0)
+        if name not in self._placed:  # asked once per piece of each op: remembered
+            stage = self._reading_stage(name)
+            if stage is None:
+                feeding = [feed for feed in self._feeds.get(name, []) if self.stage_of[feed] == PROLOGUE_STAGE]
+                stage = min((self.first_reader_stage(feed) for feed in feeding), default=0)
+            self._placed[name] = stage
+        return self._placed[name]
 
     def _reading_stage(self, name: str) -> int | None:
         """The first stage that reads ``name``'s outputs, through prologue ops; None when no stage does."""
         stages = [self.stage_of[reader] if self.stage_of[reader] != PROLOGUE_STAGE else self._reading_stage(reader)
                   for reader in self.readers.get(name, [])]
         return min((stage for stage in stages if stage is not None), default=None)
+
+    @functools.cached_property
+    def _placed(self) -> dict[str, int]:
+        """``first_reader_stage``'s answers so far."""
+        return {}
 
     @functools.cached_property
     def _feeds(self) -> dict[str, list[str]]:
