@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from lightning_nnscaler.ir.op import Op
     from lightning_nnscaler.ir.tensor import IndexMask, PTensor, ValueMask, VTensor
     from lightning_nnscaler.ir.validate import IdleRankError, PlanError, validate_plan
-    from lightning_nnscaler.parallelize import Plan, build_plan, parallelize
+    from lightning_nnscaler.parallelize import GlobalMeanWarning, Plan, build_plan, parallelize
     from lightning_nnscaler.plans.catalog import RecipeError, apply_recipe, list_recipes, load_recipe, register_recipe
     from lightning_nnscaler.plans.context import PlanContext
     from lightning_nnscaler.plans.coverage import PartialPlanWarning
@@ -52,7 +52,7 @@ _MODULE_OF: dict[str, str] = {
     "Op": "lightning_nnscaler.ir.op",
     **dict.fromkeys(["IndexMask", "PTensor", "ValueMask", "VTensor"], "lightning_nnscaler.ir.tensor"),
     **dict.fromkeys(["IdleRankError", "PlanError", "validate_plan"], "lightning_nnscaler.ir.validate"),
-    **dict.fromkeys(["Plan", "build_plan", "parallelize"], "lightning_nnscaler.parallelize"),
+    **dict.fromkeys(["GlobalMeanWarning", "Plan", "build_plan", "parallelize"], "lightning_nnscaler.parallelize"),
     **dict.fromkeys(["RecipeError", "apply_recipe", "list_recipes", "load_recipe", "register_recipe"], "lightning_nnscaler.plans.catalog"),
     **dict.fromkeys(["DeviceGrid", "RecipeLayout"], "lightning_nnscaler.plans.layout"),
     "PlanContext": "lightning_nnscaler.plans.context",
@@ -65,7 +65,7 @@ __all__ = [
     "NnScalerStrategy", "checkpoint",
     "CaptureError", "Constraints", "FrozenValueError", "IdleRankError", "PartialPlanWarning", "PlanError", "DimAnnotation", "Graph", "IndexMask", "Op", "PTensor", "ValueMask", "VTensor",
     "assert_equivalent", "bind_inputs", "flatten_inputs", "op_assign", "op_order", "op_trans", "register_annotation", "run_graph",
-    "DeviceGrid", "Plan", "PlanContext", "RecipeError", "RecipeLayout", "apply_recipe", "build_plan", "list_recipes", "load_recipe", "parallelize", "register_recipe", "trace", "validate_plan",
+    "DeviceGrid", "GlobalMeanWarning", "Plan", "PlanContext", "RecipeError", "RecipeLayout", "apply_recipe", "build_plan", "list_recipes", "load_recipe", "parallelize", "register_recipe", "trace", "validate_plan",
 ]
 
 

@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable, Iterator
@@ -259,6 +260,8 @@ def parallelize(
             context = apply_recipe(planned, recipe, world_size, **params)
         model_parallel = world_size // context.layout.data_parallel if context.layout is not None else 1
         check_coverage(planned, graph, world_size, recipe=recipe, allow_partial=allow_partial, refusals=refusals, model_parallel=model_parallel)
+    loaded_replicas = world_size if recipe == "auto" else world_size // model_parallel  # auto's loader gives every rank its own rows
+    warn_means_over_kept_targets(graph, loaded_replicas)
     with stage(f"materializing {len(planned.ops)} pieces and generating {world_size} modules"):
         plan = build_plan(
             module, example_args, step, graph, planned, world_size, recipe=recipe, params=params, zero_stage=context.zero_stage,
@@ -301,6 +304,33 @@ class _Stages:
         start = time.perf_counter()
         yield
         self.progress(f"{what}: done in {time.perf_counter() - start:.1f} s")
+
+
+class GlobalMeanWarning(UserWarning):
+    """A loss averages over a count that depends on the batch's values (targets a cross-entropy keeps, not
+    its ``ignore_index``) across several data-parallel replicas: the plan takes the whole global batch's
+    mean, as one device does, where ddp averages each replica's own mean."""
+
+
+def warn_means_over_kept_targets(graph: Graph, replicas: int) -> None:
+    """Warn (``GlobalMeanWarning``) when ``graph`` divides a loss by its count of kept targets and the batch
+    is loaded by more than one replica: where the replicas keep different counts, the gradients are one
+    device's, not ddp's."""
+    if replicas <= 1:
+        return
+    producer = {output.name: op for op in graph.ops for output in op.outputs}
+    losses = [op.name.removesuffix("_count") for op in graph.ops if op.target == "aten.sum.default" and op.name.endswith("_count")
+              and any((feed := producer.get(piece.name)) is not None and feed.target == "aten.ne.Scalar" and feed.name.endswith("_kept")
+                      for piece in op.tensor_inputs)]
+    if losses:
+        warnings.warn(
+            f"{', '.join(losses)}: the mean over the targets kept (not ignore_index) is taken over the whole global batch of "
+            f"{replicas} data-parallel replicas, as one device takes it; ddp averages each replica's own mean, so where the "
+            "replicas keep different numbers of targets the gradients differ from ddp's (they equal a single device's "
+            "on the global batch). The plan computes every sum over the batch globally, so a per-replica mean cannot be "
+            "asked for; to silence this, filter lightning_nnscaler.GlobalMeanWarning.",
+            GlobalMeanWarning, stacklevel=3,
+        )
 
 
 def build_plan(
