@@ -9,6 +9,7 @@ its state and the gradient buckets stay those of the first plan."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 from types import ModuleType
 
@@ -22,7 +23,7 @@ from lightning_nnscaler.capture import CaptureError, flatten_inputs
 from lightning_nnscaler.codegen import CodegenError
 from lightning_nnscaler.ir.randomness import RANDOM_LIKE_OP, RANDOM_OP
 from lightning_nnscaler.ir.validate import PlanError
-from lightning_nnscaler.parallelize import Plan, parallelize
+from lightning_nnscaler.parallelize import GlobalMeanWarning, Plan, parallelize
 from lightning_nnscaler.plans.catalog import RecipeError, load_recipe
 from lightning_nnscaler.plans.layout import RecipeLayout
 from lightning_nnscaler.runtime.executor import RankExecutor
@@ -73,10 +74,13 @@ def plan_training_step(
     """
     replicas = load_recipe(recipe).layout(world_size, params).data_parallel
     try:
-        plan = parallelize(
-            module, whole_batch(batch, replicas), recipe, world_size, step="training_step", allow_partial=allow_partial,
-            progress=rank_zero_info, **params,
-        )
+        with warnings.catch_warnings():
+            if module.global_rank != 0:  # every rank plans the same program: rank 0 alone says what it notices
+                warnings.simplefilter("ignore", GlobalMeanWarning)
+            plan = parallelize(
+                module, whole_batch(batch, replicas), recipe, world_size, step="training_step", allow_partial=allow_partial,
+                progress=rank_zero_info, **params,
+            )
     except Exception as error:  # noqa: BLE001 - every planning failure gets the recipe and the fix
         hint = (
             "\nCheck the recipe's constraints (`lightning_nnscaler.list_recipes()`), the DataLoader's batch_size "
