@@ -35,10 +35,11 @@ from pathlib import Path
 wheel, source = sys.argv[1], Path(sys.argv[2])
 shipped = set(zipfile.ZipFile(wheel).namelist())
 wanted = [p.relative_to(source).as_posix() for p in sorted((source / "lightning_nnscaler").rglob("*")) if p.suffix in {".py", ".yaml"}]
+wanted.append("lightning_nnscaler_torchvision.py")  # the torch.backends entry point (pyproject.toml)
 missing = [name for name in wanted if name not in shipped]
 if missing:
     sys.exit("wheel check: FAILED: the wheel lacks " + ", ".join(missing) + " (pyproject.toml [tool.setuptools.*])")
-print(f"wheel check: the wheel holds all {len(wanted)} .py/.yaml files of lightning_nnscaler/")
+print(f"wheel check: the wheel holds all {len(wanted)} .py/.yaml files of lightning_nnscaler/ and its entry point module")
 EOF
 
 # 3. A fresh virtual environment (no system site-packages): the wheel's own dependencies must do.

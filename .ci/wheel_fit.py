@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import lightning_nnscaler as lnn  # before lightning (strategy registration, torchvision fix)
+import lightning_nnscaler as lnn  # registers the strategies
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402

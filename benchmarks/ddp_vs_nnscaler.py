@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-import lightning_nnscaler as lnn  # noqa: F401 - before lightning (torchvision fix, strategy registration)
+import lightning_nnscaler as lnn  # noqa: F401 - registers the strategies
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback

@@ -13,10 +13,8 @@ the child). On an idle machine the two agree; on a loaded shared machine the wal
 waiting for a core, so CPU time is the steadier measure and the one ``tests/unit/test_import_time.py``
 checks.
 
-The Lightning baseline first declares the two torchvision ops exactly as ``lightning_nnscaler._compat``
-does (its file loaded by path, without the package): next to a torchvision wheel whose kernels do not
-load (this machine's CPU torch), a bare ``import lightning`` fails, and that shim is the only thing
-``lightning_nnscaler`` must add before Lightning can import.
+The Lightning baseline is a bare ``import lightning`` (torch's import runs the installed
+``lightning_nnscaler_torchvision`` entry point in both, so both pay its cost alike).
 """
 
 from __future__ import annotations
@@ -33,16 +31,7 @@ from pathlib import Path
 GOAL_S = 1.0  # import lightning_nnscaler, lightning <= import lightning + GOAL_S
 CLI_GOAL_S = 2.0  # lightning-nnscaler --help, lightning-nnscaler recipes
 
-_LIGHTNING = """\
-import importlib.util, os
-package = importlib.util.find_spec("lightning_nnscaler")
-path = os.path.join(package.submodule_search_locations[0], "_compat.py")
-spec = importlib.util.spec_from_file_location("_lnn_compat_for_baseline", path)
-compat = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(compat)
-compat.declare_torchvision_ops_when_its_kernels_cannot_load()
-import lightning
-"""
+_LIGHTNING = "import lightning"
 
 _CLI = "import runpy, sys; sys.argv[1:] = {arguments!r}; runpy.run_module('lightning_nnscaler.cli', run_name='__main__', alter_sys=True)"
 

@@ -6,7 +6,6 @@ line (``lightning-nnscaler --help``, ``lightning-nnscaler recipes``) starts at o
 * every public name (``__all__``) is imported from its module on first use (PEP 562 ``__getattr__``);
   ``parallelize``, which is also a submodule's name, is a property that stays the function when the
   import system binds the submodule to the package;
-* the torchvision fix (``_compat``) runs just before torchvision is first looked for, whoever imports it;
 * the strategies (``Trainer(strategy="nnscaler")``, ``"nnscaler_tp"``, ...) are registered with
   Lightning's ``StrategyRegistry`` as soon as ``lightning.pytorch`` has been imported, or at once when it
   already was. ``lightning_nnscaler.strategy`` registers them when it is imported; this package imports
@@ -21,8 +20,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any, Callable
 
-from lightning_nnscaler._compat import declare_torchvision_ops_when_its_kernels_cannot_load
-from lightning_nnscaler._import_hooks import call_after_import, call_before_import
+from lightning_nnscaler._import_hooks import call_after_import
 
 if TYPE_CHECKING:
     from lightning_nnscaler import checkpoint
@@ -105,5 +103,4 @@ def _register_strategies_with_lightning() -> None:
     importlib.import_module("lightning_nnscaler.strategy")  # registers the strategies as it is imported
 
 
-call_before_import("torchvision", declare_torchvision_ops_when_its_kernels_cannot_load)
 call_after_import("lightning.pytorch", _register_strategies_with_lightning, outside_of=__name__)

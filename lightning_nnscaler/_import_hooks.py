@@ -1,17 +1,13 @@
-"""Run a function just before, or just after, another package is imported.
+"""Run a function just after another package is imported.
 
 ``import lightning_nnscaler`` imports neither torch nor Lightning (the command line's ``--help`` and
-``recipes`` start in a fraction of a second), yet two things must happen around those imports:
+``recipes`` start in a fraction of a second), yet the strategies must be registered with Lightning's
+``StrategyRegistry`` once Lightning has built it: ``call_after_import``.
 
-* the torchvision fix (``_compat``) must run before torchvision is imported: ``call_before_import``;
-* the strategies must be registered with Lightning's ``StrategyRegistry`` once Lightning has built
-  it: ``call_after_import``.
-
-Both work through one finder at the front of ``sys.meta_path``. Before a watched name is imported,
-the finder runs the "before" function, then lets the other finders find the module. For an "after"
-function it asks the other finders for the module's spec and wraps its loader, so the function runs
-once the module's own code has finished (the original loader is put back on the module first). Each
-function runs once; the finder answers nothing for names it does not watch.
+This works through one finder at the front of ``sys.meta_path``. For a watched name it asks the other
+finders for the module's spec and wraps its loader, so the function runs once the module's own code
+has finished (the original loader is put back on the module first). Each function runs once; the
+finder answers nothing for names it does not watch.
 
 An "after" function may itself import modules of a package that is being imported at that moment
 (``lightning_nnscaler.parallelize`` imports Lightning, and registering the strategies imports
@@ -67,20 +63,15 @@ class _After:
 
 
 class _ImportHookFinder(importlib.abc.MetaPathFinder):
-    """The one finder behind ``call_before_import`` and ``call_after_import``."""
+    """The finder behind ``call_after_import``."""
 
     def __init__(self) -> None:
-        self.before: dict[str, list[Hook]] = {}
         self.after: dict[str, list[_After]] = {}
         self.waiting: dict[str, list[Hook]] = {}  # package -> hooks waiting for its outermost import to end
         self._lock = threading.RLock()
         self._depth = threading.local()  # package -> how many of its modules this thread is executing
 
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        with self._lock:
-            before = self.before.pop(fullname, [])
-        for hook in before:
-            hook()
         if fullname not in self.after and not self._counted_packages(fullname):
             return None
         spec = self._spec_from_the_other_finders(fullname, path, target)
@@ -141,13 +132,6 @@ def _installed_finder() -> _ImportHookFinder:
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
     return _FINDER
-
-
-def call_before_import(fullname: str, hook: Hook) -> None:
-    """Run ``hook()`` once, just before module ``fullname`` is first looked for (an import, or
-    ``importlib.util.find_spec``). Does nothing when the module is already imported: it is too late."""
-    if fullname not in sys.modules:
-        _installed_finder().before.setdefault(fullname, []).append(hook)
 
 
 def call_after_import(fullname: str, hook: Hook, *, outside_of: str | None = None) -> None:

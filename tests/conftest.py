@@ -1,6 +1,5 @@
-"""Shared pytest setup: importing the package first keeps torchvision importable (see _compat)."""
+"""Shared pytest setup."""
 
-import lightning_nnscaler  # noqa: F401
 import pytest
 import torch
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-import lightning_nnscaler as lnn  # noqa: F401 - before lightning (keeps torchvision importable)
+import lightning_nnscaler as lnn  # noqa: F401 - registers the strategies
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402

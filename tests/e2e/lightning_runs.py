@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import lightning_nnscaler as lnn  # noqa: F401 - before lightning (keeps torchvision importable)
+import lightning_nnscaler as lnn  # noqa: F401 - registers the strategies
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-import lightning_nnscaler  # noqa: F401 - before lightning (keeps torchvision importable)
+import lightning_nnscaler  # noqa: F401 - registers the strategies
 
 import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import lightning_nnscaler as lnn  # noqa: F401 - before lightning
+import lightning_nnscaler as lnn  # noqa: F401 - registers the strategies
 from lightning_nnscaler import checkpoint
 from lightning_nnscaler.launch import LaunchError
 from support.ranks import launch_ranks

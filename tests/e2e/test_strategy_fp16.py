@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-import lightning_nnscaler as lnn  # noqa: F401 - before lightning
+import lightning_nnscaler as lnn  # noqa: F401 - registers the strategies
 from support.ranks import launch_ranks
 
 import lightning as L  # noqa: E402

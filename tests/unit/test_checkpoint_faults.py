@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import pytest
 import torch
 
-import lightning_nnscaler  # noqa: F401 - before lightning
+import lightning_nnscaler  # noqa: F401 - registers the strategies
 from lightning_nnscaler import checkpoint, cli
 from lightning_nnscaler.checkpoint import CheckpointError, layout, rank_file_name
 from lightning_nnscaler.checkpoint.integrity import hash_bytes

@@ -36,16 +36,6 @@ with open({report!r}, "w") as report:
     json.dump({{"status": status, "imported": [name for name in {heavy!r} if name in sys.modules]}}, report)
 """
 
-# On this project's CPU torch, a bare `import lightning` needs the torchvision fix first: load it by path.
-_FIX_WITHOUT_THE_PACKAGE = """\
-import importlib.util, os
-package = importlib.util.find_spec("lightning_nnscaler")
-spec = importlib.util.spec_from_file_location("_lnn_compat", os.path.join(package.submodule_search_locations[0], "_compat.py"))
-compat = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(compat)
-compat.declare_torchvision_ops_when_its_kernels_cannot_load()
-"""
-
 _CHECK_REGISTRY = """
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning_nnscaler import NnScalerStrategy
@@ -64,7 +54,7 @@ print("registered")
 
 IMPORT_ORDERS = {
     "lightning_nnscaler first": "import lightning_nnscaler\nimport lightning.pytorch\n" + _CHECK_REGISTRY + _BUILD_TRAINERS,
-    "lightning.pytorch first": _FIX_WITHOUT_THE_PACKAGE + "import lightning.pytorch\nimport lightning_nnscaler\n" + _CHECK_REGISTRY + _BUILD_TRAINERS,
+    "lightning.pytorch first": "import lightning.pytorch\nimport lightning_nnscaler\n" + _CHECK_REGISTRY + _BUILD_TRAINERS,
     "the strategy class first": "from lightning_nnscaler import NnScalerStrategy\n" + _CHECK_REGISTRY + "print('registered')\n",
     # parallelize imports Lightning, and registering imports parallelize: it waits until parallelize is complete
     "a module that imports Lightning first": "from lightning_nnscaler.parallelize import Plan\n" + _CHECK_REGISTRY + "print('registered')\n",

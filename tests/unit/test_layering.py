@@ -12,7 +12,6 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_nnscaler"
 
 ALLOWED: dict[str, set[str]] = {
-    "_compat": set(),
     "_import_hooks": set(),
     "ir": set(),
     "models": set(),
