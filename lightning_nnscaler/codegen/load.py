@@ -8,6 +8,7 @@ import json
 import linecache
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -24,15 +25,18 @@ def digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def save_sources(directory: str | os.PathLike[str], plan_hash: str, sources: list[str]) -> Path:
-    """Write ``rank{r}.py`` files and a manifest under ``directory/<plan_hash>``; reuse it if present.
+def save_sources(directory: str | os.PathLike[str], plan_hash: str, sources: Sequence[str]) -> Path:
+    """Write ``rank{r}.py`` files and a manifest under ``directory/<plan_hash>``; reuse it if it holds exactly these sources.
 
     Returns the plan's code directory. Files are written atomically (temp file + rename).
+
+    Raises:
+        StaleCodeError: the directory holds code that is not these sources (edited, or re-hashed).
     """
     root = Path(directory) / plan_hash
     manifest_path = root / MANIFEST
     if manifest_path.exists():
-        check_manifest(root)
+        check_manifest(root, sources)
         return root
     root.mkdir(parents=True, exist_ok=True)
     manifest = {"plan": plan_hash, "files": {}}
@@ -44,26 +48,38 @@ def save_sources(directory: str | os.PathLike[str], plan_hash: str, sources: lis
     return root
 
 
-def check_manifest(root: Path) -> dict:
-    """Raise StaleCodeError if any generated file was changed after generation."""
+def check_manifest(root: Path, sources: Sequence[str]) -> dict:
+    """Raise StaleCodeError unless every ``rank{r}.py`` under ``root`` is ``sources[r]``, as the manifest records.
+
+    The check is against the plan's own sources, not only the manifest: a manifest re-hashed after an
+    edit does not make the edited code this plan's.
+    """
     manifest = json.loads((root / MANIFEST).read_text())
-    for name, expected in manifest["files"].items():
+    expected = {f"rank{rank}.py": digest(source) for rank, source in enumerate(sources)}
+    if manifest.get("files") != expected:
+        changed = sorted(name for name in {*expected, *manifest.get("files", {})} if manifest.get("files", {}).get(name) != expected.get(name))
+        raise StaleCodeError(
+            f"{root / MANIFEST} does not record this plan's code ({', '.join(changed)} differ: edited and re-hashed, or another plan's); "
+            f"delete {root} to regenerate it"
+        )
+    for name, wanted in expected.items():
         path = root / name
-        if not path.exists() or digest(path.read_text()) != expected:
+        if not path.exists() or digest(path.read_text()) != wanted:
             raise StaleCodeError(
-                f"generated file {path} was edited or removed after generation (its hash does not match {MANIFEST}); "
+                f"generated file {path} was edited or removed after generation (its hash is not this plan's code); "
                 f"delete {root} to regenerate it"
             )
     return manifest
 
 
-def load_rank_module(root: str | os.PathLike[str], rank: int) -> ModuleType:
-    """Import ``rank{rank}.py`` from a plan's code directory after checking its hash."""
+def load_rank_module(root: str | os.PathLike[str], rank: int, sources: Sequence[str]) -> ModuleType:
+    """Import ``rank{rank}.py`` from a plan's code directory, after checking that it is ``sources[rank]``
+    (the plan's own generated code: ``Plan.sources``)."""
     root = Path(root)
-    manifest = check_manifest(root)
+    if not 0 <= rank < len(sources):
+        raise StaleCodeError(f"the plan has code for {len(sources)} ranks, not for rank {rank}")
+    manifest = check_manifest(root, sources)
     name = f"rank{rank}.py"
-    if name not in manifest["files"]:
-        raise StaleCodeError(f"{root} has no code for rank {rank}; the plan was generated for {len(manifest['files'])} ranks")
     return module_from_source((root / name).read_text(), f"lnn_plan_{manifest['plan'][:12]}_rank{rank}")
 
 

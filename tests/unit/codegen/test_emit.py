@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -54,12 +56,30 @@ def test_saved_code_is_reused_and_edits_are_refused(tmp_path: Path) -> None:
     sources = [emit_rank(program, rank, "h", "t") for rank in range(2)]
     root = save_sources(tmp_path, "h" * 64, sources)
     assert save_sources(tmp_path, "h" * 64, sources) == root
-    assert load_rank_module(root, 1).HELD
+    assert load_rank_module(root, 1, sources).HELD
     (root / "rank1.py").write_text(sources[1] + "\n# a local tweak\n")
     with pytest.raises(StaleCodeError, match="rank1.py was edited"):
-        load_rank_module(root, 1)
+        load_rank_module(root, 1, sources)
     with pytest.raises(StaleCodeError, match="rank1.py was edited"):
         save_sources(tmp_path, "h" * 64, sources)
+
+
+def test_an_edit_with_a_rehashed_manifest_is_not_the_plans_code(tmp_path: Path) -> None:
+    program = materialize(megatron_two_layers(), 2)
+    sources = [emit_rank(program, rank, "h", "t") for rank in range(2)]
+    root = save_sources(tmp_path, "h" * 64, sources)
+    edited = sources[1] + "\nHELD = None  # a local tweak\n"
+    (root / "rank1.py").write_text(edited)
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["files"]["rank1.py"] = hashlib.sha256(edited.encode()).hexdigest()
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(StaleCodeError, match=r"does not record this plan's code \(rank1.py differ"):
+        load_rank_module(root, 1, sources)
+    with pytest.raises(StaleCodeError, match="rank1.py differ"):
+        save_sources(tmp_path, "h" * 64, sources)
+    assert load_rank_module(root, 1, [sources[0], edited]).HELD is None  # the edited code is accepted only as its own plan's
+    with pytest.raises(StaleCodeError, match="code for 2 ranks, not for rank 2"):
+        load_rank_module(root, 2, sources)
 
 
 def test_data_parallel_ranks_send_the_target_count_first_and_receive_it_last():
