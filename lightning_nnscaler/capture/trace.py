@@ -11,6 +11,7 @@ check before each step (``step_values``).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -82,6 +83,7 @@ def trace(module: nn.Module, example_args: Any, *, step: str | None = None) -> G
         return trace_training_step(module, example_args)[0]
     wrapper = _Forward(module)
     args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
+    _check_forward_takes(module, args)
     return convert(_export(wrapper, args, module), dict(wrapper.named_parameters(remove_duplicate=False)), prefix="module.")
 
 
@@ -194,6 +196,29 @@ def _logging_to(module: nn.Module, recorder: LogRecorder | None) -> Iterator[Non
                 setattr(module, name, own[name])
             else:
                 delattr(module, name)
+
+
+def _check_forward_takes(module: nn.Module, args: tuple[Any, ...]) -> None:
+    """Refuse, before tracing, example arguments that ``module.forward`` cannot take (a wrong ``step``)."""
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):  # a builtin or C-implemented forward: let torch.export judge
+        return
+    try:
+        signature.bind(*args)
+    except TypeError as error:
+        given = ", ".join(type(arg).__name__ for arg in args)
+        hint = (
+            f" {type(module).__name__} has a training_step: to capture training_step(batch, batch_idx) from a batch, "
+            'pass step="training_step".'
+            if callable(getattr(module, "training_step", None)) else ""
+        )
+        parameters = ", ".join(str(parameter.replace(annotation=inspect.Parameter.empty, default=inspect.Parameter.empty))
+                               for parameter in signature.parameters.values())
+        raise CaptureError(
+            f"cannot capture {type(module).__name__}.forward({parameters}): the example arguments ({given}) are passed to it "
+            f"as positional arguments, and {error}.{hint}"
+        ) from None
 
 
 def _explain(error: Exception, module_paths: dict[int, str], module_name: str) -> str:

@@ -87,3 +87,29 @@ def test_a_flattened_linear_whose_weight_is_computed_after_the_reshape_is_captur
     linear = next(op for op in graph.ops if op.target == "aten.linear.default")
     assert linear.outputs[0].shape == (2, 3, 5)
     lnn.parallelize(model, (x,), "dp", 2).verify()
+
+
+class LitRegressor(nn.Module):
+    """Shaped as a LightningModule: ``forward(x)``, and ``training_step`` takes the ``(x, y)`` batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        return nn.functional.mse_loss(self(inputs), targets)
+
+
+def test_a_batch_given_to_forward_is_refused_as_a_wrong_step_not_as_control_flow() -> None:
+    batch = (torch.randn(4, 8), torch.randn(4, 4))
+    with pytest.raises(lnn.CaptureError) as error:
+        lnn.parallelize(LitRegressor(), batch, "dp", 2)
+    message = str(error.value)
+    assert "LitRegressor.forward(x)" in message and "(Tensor, Tensor)" in message
+    assert 'step="training_step"' in message
+    assert "torch.where" not in message and "control flow" not in message
+    lnn.parallelize(LitRegressor(), batch, "dp", 2, step="training_step").verify()  # the fix the message names works
