@@ -5,12 +5,15 @@
     lightning-nnscaler plan [--out DIR] [key=value ...]
                                                plan a config (e.g. model=gpt recipe=tp world_size=8) in this process:
                                                per-rank table, per-rank code and plan.png under DIR (default: plan)
-    lightning-nnscaler --import MODULE ...     import MODULE first (it registers your own recipes)
+    lightning-nnscaler --import MODULE ...     import MODULE first (it registers your own recipes), in every process that
+                                               trains too (train passes it on in $LIGHTNING_NNSCALER_IMPORT)
     lightning-nnscaler ckpt info DIR           a sharded checkpoint's plan, files and leftovers (or a plain file's summary)
     lightning-nnscaler ckpt info --verify DIR  the same, after reading and checking every file (sizes, hashes, save tokens)
     lightning-nnscaler ckpt merge DIR OUT      a sharded checkpoint as one plain Lightning checkpoint file (every file checked)
 
 A damaged checkpoint exits with status 2 and one line naming the file, what is wrong and what to do.
+As under ``python -m``, modules in the current directory are importable (``--import my_recipes``,
+``model._target_=my_module.MyModule``): the console script puts it first on ``sys.path``.
 
 Each command imports what it needs when it runs: ``--help`` and ``recipes`` import neither torch nor
 Lightning (``tests/unit/test_cli_startup.py``), so they answer at once.
@@ -19,12 +22,14 @@ Lightning (``tests/unit/test_cli_startup.py``), so they answer at once.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from lightning_nnscaler.app.imports import IMPORT_ENVIRONMENT, ImportFailed, environment_modules, import_modules, put_working_directory_on_path
 
 CATALOG_MODULE = "lightning_nnscaler.plans.catalog"
 ONE_LINE_ERRORS = (
@@ -79,8 +84,15 @@ def _ckpt_merge(arguments: argparse.Namespace) -> None:
 
 
 def _train(arguments: argparse.Namespace) -> None:
-    """Forward the Hydra overrides to ``python -m lightning_nnscaler.train`` (its exit status becomes ours)."""
-    completed = subprocess.run([sys.executable, "-m", "lightning_nnscaler.train", *arguments.overrides], check=False)
+    """Forward the Hydra overrides to ``python -m lightning_nnscaler.train`` (its exit status becomes ours),
+    with the ``--import`` modules in ``$LIGHTNING_NNSCALER_IMPORT``: the training process and its ranks
+    import them too (they register the recipes the config names)."""
+    environment = dict(os.environ)
+    modules = environment_modules()
+    modules += [name for name in arguments.imports if name not in modules]
+    if modules:
+        environment[IMPORT_ENVIRONMENT] = ",".join(modules)
+    completed = subprocess.run([sys.executable, "-m", "lightning_nnscaler.train", *arguments.overrides], env=environment, check=False)
     if completed.returncode:
         raise SystemExit(completed.returncode)
 
@@ -144,12 +156,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         arguments.overrides = split[1][1:]
     else:
         arguments = parser().parse_args(argv)
+    put_working_directory_on_path()
     try:
-        for module in arguments.imports:
-            importlib.import_module(module)
+        import_modules(arguments.imports)
         arguments.run(arguments)
     except Exception as error:
-        if isinstance(error, _one_line_errors()):
+        if isinstance(error, (ImportFailed, *_one_line_errors())):
             print(f"lightning-nnscaler: {error}", file=sys.stderr)
             return 2
         if isinstance(error, OSError):  # e.g. the output of `ckpt merge` cannot be written

@@ -109,8 +109,14 @@ class JobConfig:
         return None
 
 
-def job_config(cfg: DictConfig) -> JobConfig:
+def job_config(cfg: DictConfig, hydra: DictConfig | None = None) -> JobConfig:
     """The typed job config of a composed ``DictConfig`` (interpolations resolved).
+
+    Args:
+        cfg: The composed config, without its ``hydra`` node.
+        hydra: The ``hydra`` node (``HydraConfig.get()``, or ``compose(..., return_hydra_config=True)``'s):
+            its model choice and command-line overrides tell the model file's arguments from the user's
+            (``model_arguments``). None keeps the model node as composed.
 
     Raises:
         ConfigError: naming the key whose value cannot work.
@@ -127,6 +133,8 @@ def job_config(cfg: DictConfig) -> JobConfig:
     model = container.get("model")
     if not isinstance(model, dict) or "_target_" not in model:
         raise ConfigError(f"model: expected a mapping with _target_ (a LightningModule class), got {model!r}")
+    if hydra is not None:
+        model = model_arguments(model, hydra.runtime.choices.get("model"), list(hydra.overrides.task))
     job = JobConfig(
         model=model, data=data, recipe=recipe, trainer=trainer, logger=logger, sample=sample,
         **{key: container[key] for key in ("seed", "batch_size", "world_size", "spec", "evaluations", "threads_per_rank") if key in container},
@@ -145,6 +153,26 @@ def job_config(cfg: DictConfig) -> JobConfig:
         _positive_int(f"data.{key}", getattr(data, key))
     _positive_int("sample.tokens", sample.tokens, minimum=0)
     return job
+
+
+def model_arguments(model: dict[str, Any], option: str | None, overrides: list[str]) -> dict[str, Any]:
+    """The model node to instantiate: as composed, unless ``model._target_`` names another class than the
+    model group's file (``conf/model/<option>.yaml``) does — the user's own LightningModule. Then the
+    file's arguments (GPT's ``config``) are left out, as they belong to the file's class, and the
+    constructor gets only the arguments the command line sets (``+model.hidden=32``), so a misspelt
+    one still fails in the constructor, naming it."""
+    path = CONF_DIR / "model" / f"{option}.yaml"
+    if option is None or not path.is_file():
+        return model
+    group_file = OmegaConf.to_container(OmegaConf.load(path))
+    assert isinstance(group_file, dict)
+    if model["_target_"] == group_file.get("_target_"):
+        return model
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    named = {override.key_or_group.split(".")[1] for override in OverridesParser.create().parse_overrides(overrides)
+             if override.key_or_group.startswith("model.") and override.package is None}
+    return {key: value for key, value in model.items() if key == "_target_" or key not in group_file or key in named}
 
 
 def _recipe(section: Any) -> RecipeConfig:

@@ -4,6 +4,7 @@ then (rank 0) draw the plan, print a generated sample and write ``result.json`` 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import resource
 import statistics
@@ -66,6 +67,24 @@ def _peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def print_log_records_once() -> None:
+    """Lightning's log lines once each, in Hydra's format (and in the job's log file).
+
+    ``import lightning`` gives the ``lightning`` logger a console handler of its own ("INFO: ...") and
+    leaves it propagating to the root logger, where Hydra's job logging prints every record again
+    ("[time][name][INFO] - ..."). ``lightning.pytorch`` itself keeps a handler only when the root
+    logger has none ("if root logger has handlers, propagate messages up and let root logger process
+    them"): with Hydra's root handlers in place, the records go to them alone."""
+    if not logging.getLogger().handlers:
+        return
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if type(handler) is logging.StreamHandler:  # Lightning's console handlers (not a file a user added)
+                logger.removeHandler(handler)
+        logger.propagate = True
+
+
 def build_logger(config: LoggerConfig, run_dir: Path) -> Any:
     """The Lightning logger of ``logger.kind``, writing under ``run_dir`` (False for ``none``)."""
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
@@ -97,12 +116,14 @@ def run_job(job: JobConfig, run_dir: Path, *, start_method: str = "popen") -> No
     replicas = check_fit(job, module, world_size).data_parallel if world_size else 1
     loaders = build_loaders(job.data, module, job.batch_size, replicas, job.seed)
     trainer_args = dict(job.trainer)
+    accumulate = trainer_args.get("accumulate_grad_batches", 1)
+    global_batch = job.batch_size * replicas * accumulate if isinstance(accumulate, int) and world_size else None  # samples per optimizer step, all ranks
     max_steps = int(trainer_args.get("max_steps") or loaders.steps_per_epoch)
     trainer_args.setdefault("val_check_interval", max(1, min(max_steps // job.evaluations, loaders.steps_per_epoch)))
     record = JobRecord()
     trainer = L.Trainer(
         strategy=lnn.NnScalerStrategy(recipe=job.recipe.name, start_method=start_method, **job.recipe.params),
-        logger=build_logger(job.logger, run_dir), callbacks=[record, JobReport(job, run_dir, record, started)],
+        logger=build_logger(job.logger, run_dir), callbacks=[record, JobReport(job, run_dir, record, started, global_batch)],
         default_root_dir=str(run_dir), enable_checkpointing=False, num_sanity_val_steps=0, **trainer_args,
     )
     trainer.fit(module, loaders.train, loaders.validation)
@@ -110,10 +131,13 @@ def run_job(job: JobConfig, run_dir: Path, *, start_method: str = "popen") -> No
 
 class JobReport(Callback):
     """At the end of the fit, on rank 0 (the full module holds the trained weights): the plan picture
-    (logged to W&B when it logs), a generated sample, and ``result.json`` with what ``JobRecord`` measured."""
+    (logged to W&B when it logs), a generated sample, and ``result.json`` with what ``JobRecord`` measured
+    and ``global_batch``: the samples one optimizer step consumes over all ranks (``batch_size`` x
+    data-parallel replicas x ``accumulate_grad_batches``)."""
 
-    def __init__(self, job: JobConfig, run_dir: Path, record: JobRecord, started: float) -> None:
+    def __init__(self, job: JobConfig, run_dir: Path, record: JobRecord, started: float, global_batch: int | None) -> None:
         self.job = job
+        self.global_batch = global_batch
         self.run_dir = run_dir
         self.record = record
         self.started = started
@@ -126,7 +150,7 @@ class JobReport(Callback):
         predicted = getattr(trainer.strategy, "predicted_step", None)
         picture = _draw(plan, self.run_dir, trainer.logger, predicted)
         result: dict[str, Any] = {
-            "recipe": job.recipe.name, "params": job.recipe.params, "world_size": trainer.world_size,
+            "recipe": job.recipe.name, "params": job.recipe.params, "world_size": trainer.world_size, "global_batch": self.global_batch,
             "plan_hash": plan.plan_hash if plan is not None else None,
             "steps": len(record.train_losses),
             "step_time_s": statistics.median(record.step_seconds[1:] or record.step_seconds),  # the first step plans

@@ -19,10 +19,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from hydra.utils import instantiate
+from omegaconf import open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_nnscaler.app.config import CONF_DIR, ConfigError, JobConfig, check_fit, job_config
-from lightning_nnscaler.app.recipes import register_catalog_recipes
+from lightning_nnscaler.app.recipes import register_catalog_recipes, register_user_recipes
 from lightning_nnscaler.parallelize import Plan, parallelize
 from lightning_nnscaler.sim import predict
 from lightning_nnscaler.sim.specs import FALLBACK_GPU_SPEC, spec_for_device
@@ -85,12 +86,16 @@ def plan_command(overrides: Sequence[str], output: Path) -> Plan:
         ConfigError: a setting that cannot work, naming the key.
     """
     register_catalog_recipes(CONF_DIR)
+    register_user_recipes()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            composed = compose("train", overrides=list(overrides))
+            composed = compose("train", overrides=list(overrides), return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as error:  # unknown group option, key or value syntax
         raise ConfigError(f"overrides {' '.join(overrides)}: {str(error).splitlines()[0]}") from None
-    job = job_config(composed)
+    hydra = composed.hydra
+    with open_dict(composed):
+        del composed["hydra"]
+    job = job_config(composed, hydra)
     world_size = job.world_size or job.devices_world_size
     if world_size is None:
         raise ConfigError("world_size is null and trainer.devices is not a count: pass world_size=N")

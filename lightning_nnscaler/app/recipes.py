@@ -4,6 +4,8 @@
 without such a file (a recipe just added to the catalog) is still selectable as ``recipe=<name>``:
 ``register_catalog_recipes`` stores an entry for it in Hydra's ConfigStore, built from the plan
 function's signature (defaults; required parameters as ``???``, which Hydra asks for).
+``register_user_recipes`` does the same for the recipes registered with ``register_recipe`` in the
+process (``lightning-nnscaler --import my_recipes train recipe=<name>``).
 """
 
 from __future__ import annotations
@@ -31,3 +33,13 @@ def register_catalog_recipes(conf_dir: Path) -> list[str]:
     for spec in missing:
         store.store(group="recipe", name=spec.name, node=recipe_entry(spec))
     return [spec.name for spec in missing]
+
+
+def register_user_recipes() -> list[str]:
+    """Store a ``recipe`` group entry for every recipe registered with ``register_recipe`` so far
+    (``recipe=<name>`` then selects it with its parameters' defaults); returns their names."""
+    registered = [spec for spec in list_recipes() if spec.origin == "register_recipe"]
+    store = ConfigStore.instance()
+    for spec in registered:
+        store.store(group="recipe", name=spec.name, node=recipe_entry(spec))
+    return [spec.name for spec in registered]

@@ -1,5 +1,7 @@
 """The comparison table that ends a sweep (``-m recipe=dp,tp,coshard``): one row per job, printed and
-written to ``comparison.csv`` in the sweep folder."""
+written to ``comparison.csv`` in the sweep folder. ``global_batch`` (samples per optimizer step over
+all ranks) differs between recipes with different data-parallel replicas at one ``batch_size``: dp on
+2 ranks steps on twice tp's samples, so their final losses differ for that reason too."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-COLUMNS = ("job", "recipe", "params", "world_size", "step_time_ms", "peak_memory_mib_per_rank", "final_train_loss", "final_val_loss", "plan_hash", "error")
+COLUMNS = ("job", "recipe", "params", "world_size", "global_batch", "step_time_ms", "peak_memory_mib_per_rank", "final_train_loss", "final_val_loss", "plan_hash", "error")
 
 
 def comparison_rows(sweep_dir: Path) -> list[dict[str, Any]]:
@@ -26,6 +28,7 @@ def comparison_rows(sweep_dir: Path) -> list[dict[str, Any]]:
             "recipe": result.get("recipe"),
             "params": json.dumps(result.get("params") or {}, sort_keys=True),
             "world_size": result.get("world_size"),
+            "global_batch": result.get("global_batch") or "",  # losses of different global batches are not comparable step for step
             "step_time_ms": _rounded(result.get("step_time_s"), 1e3),
             "peak_memory_mib_per_rank": " ".join(f"{value / 2**20:.0f}" for value in result.get("peak_memory_bytes") or []),
             "final_train_loss": _rounded(result.get("final_train_loss")),

@@ -157,3 +157,63 @@ def test_cli_hands_hydra_flags_of_train_and_plan_through_untouched() -> None:
     assert split_hydra_command(["train", "-m", "recipe=dp,tp"]) == ([], ["train", "-m", "recipe=dp,tp"])
     assert split_hydra_command(["--import", "my.recipes", "plan", "world_size=8"]) == (["--import", "my.recipes"], ["plan", "world_size=8"])
     assert split_hydra_command(["recipes"]) is None
+
+
+def composed_with_hydra(*overrides: str):
+    """``compose`` with the ``hydra`` node split off, as the app sees the config and its ``HydraConfig``."""
+    from omegaconf import open_dict
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        config = compose("train", overrides=list(overrides), return_hydra_config=True)
+    hydra = config.hydra
+    with open_dict(config):
+        del config["hydra"]
+    return config, hydra
+
+
+def test_an_own_module_target_gets_only_the_arguments_the_command_line_sets() -> None:
+    """``model._target_=my_package.MyModule``: the gpt file's ``config`` belongs to GPT and is left out;
+    an argument the user adds goes through (a misspelt one then fails in the constructor, naming it)."""
+    own = job_config(*composed_with_hydra("model._target_=my_package.MyModule", "data=synthetic"))
+    assert own.model == {"_target_": "my_package.MyModule"}
+    own = job_config(*composed_with_hydra("model._target_=my_package.MyModule", "+model.hidden=32", "model.config.layers=1"))
+    assert set(own.model) == {"_target_", "hidden", "config"} and own.model["config"]["layers"] == 1
+    shipped = job_config(*composed_with_hydra("model=swin", "model._target_=lightning_nnscaler.models.swin.Swin"))
+    assert set(shipped.model) == {"_target_", "config"}
+    assert job_config(composed("model._target_=my_package.MyModule")).model["config"]["hidden"] == 64  # no hydra node: as composed
+
+
+def test_a_registered_recipe_is_a_recipe_option_with_its_defaults() -> None:
+    from lightning_nnscaler.app.recipes import register_user_recipes
+
+    @lnn.register_recipe(name="app_user_recipe", parameter_docs={"pieces": "Pieces."}, replace=True)
+    def app_user_recipe(graph: lnn.Graph, ctx: lnn.PlanContext, *, pieces: int = 2) -> None:
+        """Replicate everything (a placeholder plan)."""
+
+    store = ConfigStore.instance()
+    try:
+        assert "app_user_recipe" in register_user_recipes()
+        job = job_config(composed("recipe=app_user_recipe", "recipe.params.pieces=3"))
+    finally:
+        store.repo["recipe"].pop("app_user_recipe.yaml", None)
+    assert (job.recipe.name, job.recipe.params) == ("app_user_recipe", {"pieces": 3})
+
+
+def test_the_sweep_table_names_each_jobs_global_batch(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """dp on 2 ranks steps on twice tp's samples at one batch_size: the table says so beside the losses."""
+    import csv
+    import json
+
+    from lightning_nnscaler.app.summary import write_comparison
+
+    for job, (recipe, global_batch, loss) in enumerate([("dp", 32, 2.1), ("tp", 16, 2.4)]):
+        (tmp_path / str(job)).mkdir()
+        result = {"recipe": recipe, "params": {}, "world_size": 2, "global_batch": global_batch, "final_train_loss": loss, "step_time_s": 0.01}
+        (tmp_path / str(job) / "result.json").write_text(json.dumps(result))
+    (tmp_path / "2").mkdir()  # a failed job: no global batch to report
+    (tmp_path / "2" / "result.json").write_text(json.dumps({"recipe": "coshard", "params": {}, "error": "boom"}))
+    with write_comparison(tmp_path).open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(row["recipe"], row["global_batch"], row["final_train_loss"]) for row in rows] == [("dp", "32", "2.1"), ("tp", "16", "2.4"), ("coshard", "", "")]
+    header, dp_row = capsys.readouterr().out.splitlines()[:2]
+    assert header.split()[:5] == ["job", "recipe", "params", "world_size", "global_batch"] and dp_row.split()[:5] == ["0", "dp", "{}", "2", "32"]
