@@ -5,7 +5,7 @@ captured graph on every step. While ``training_step`` is traced, ``log`` and ``l
 replaced by a `LogRecorder`: each call becomes a `LogCall` that keeps the name and Lightning's options
 (``on_step``, ``on_epoch``, ``sync_dist``, ``prog_bar``, ``reduce_fx``, ``batch_size``, ...), and
 each logged tensor becomes an extra output of the traced step (after the loss), so the graph computes
-it. Plain numbers are logged as they are. What the graph cannot compute every step is refused at
+it. Plain numbers are logged as they are; ``tensor.item()`` is logged as its tensor (``capture.items``). What the graph cannot compute every step is refused at
 tracing, naming the key: a value that changes between steps without being a tensor of the step
 (``batch_idx``), a tensor of more than one element, or an object such as a torchmetrics ``Metric``.
 """
@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from lightning_nnscaler.capture.convert import CaptureError
+from lightning_nnscaler.capture.items import ItemValue
 from lightning_nnscaler.capture.step_values import StepInt
 
 
@@ -63,6 +64,8 @@ class LogRecorder:
             self._record(str(name), value, options)
 
     def _record(self, name: str, value: Any, options: dict[str, Any]) -> None:
+        if isinstance(value, ItemValue):  # self.log(name, tensor.item()): the graph computes the tensor every step
+            value = value.tensor
         if isinstance(value, StepInt):
             raise CaptureError(
                 f"{self.module_name}.training_step logs {name!r} = {value._label}, a number that changes between steps "

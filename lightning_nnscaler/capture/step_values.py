@@ -9,8 +9,9 @@ each of these into a `FrozenValueError` instead of silently wrong training.
 **Per-step values** are refused at tracing. While the step is traced, ``batch_idx``,
 ``self.global_step`` and ``self.current_epoch`` (on every LightningModule of the tree), and
 ``self.trainer.global_step`` / ``self.trainer.current_epoch`` (when a Trainer is attached; without
-one the module's properties are 0, as Lightning defines them) are `StepInt`s: ints that record every
-use that can change the computation: truth value, comparisons, arithmetic, hashing (a dict key),
+one the module's properties are 0, as Lightning defines them) are `StepInt`s: int-like values that
+record every use that can change the computation: truth value, comparisons, arithmetic with the
+number on either side (``0.5 * self.global_step``, ``2.0 ** batch_idx``), hashing (a dict key),
 ``__index__`` / ``__int__`` / ``__float__`` / rounding conversions, and being passed to any torch
 function (a ``TorchFunctionMode`` sees each torch call of the step, ``torch.tensor(step)`` included).
 Formatting (``str``, ``repr``, f-strings) is not a use: a name such as ``f"loss_{batch_idx}"`` cannot
@@ -30,9 +31,8 @@ not recorded. A step that *assigns* such an attribute (``self.calls += 1``) is r
 the assignment would happen once, at the trace, and never again (the trace puts the old value back).
 
 Not seen: attributes of other objects (``self.config.dropout``, ``self.trainer.max_epochs``), module
-globals and class attributes; a per-step value used as a list, tuple or str index or as a ``range``
-bound (CPython reads an int subclass's value there without calling any of its methods). A plain
-attribute read only to be logged still counts as read.
+globals and class attributes; ``isinstance(batch_idx, int)`` is False while tracing (it is a
+``numbers.Integral``). A plain attribute read only to be logged still counts as read.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import numbers
+import operator
 import os
 import sys
 import types
@@ -58,6 +60,7 @@ _SCALARS = (bool, int, float, str)
 _UNSET = object()
 _FRAMEWORK_PACKAGES = ("torch", "lightning", "lightning_fabric", "pytorch_lightning")
 _TORCH_DIRECTORY = os.path.dirname(torch.__file__) + os.sep
+_CAPTURE_DIRECTORY = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _FIX = (
     "NnScalerStrategy traces training_step once, on the first batch, and runs that captured computation on every "
     "batch, so the step would go on computing with the first step's value. Compute such a value outside the step and "
@@ -131,36 +134,67 @@ def _same(current: Any, traced: Any) -> bool:
     return current == traced or (isinstance(traced, float) and math.isnan(traced) and math.isnan(current))
 
 
-class StepInt(int):
-    """An int that changes between steps; every use that can change the computation is recorded."""
+class StepInt:
+    """An int that changes between steps; every use that can change the computation is recorded.
 
-    def __new__(cls, value: int, label: str, watch: StepWatch) -> StepInt:
+    Not an ``int`` subclass: ``0.5 * step`` and ``2.0 ** step`` would then be computed by ``float``'s
+    own methods, which read an int subclass's value in C and never call it. As a plain object it gets
+    the reflected call (``__rmul__``, ``__rpow__``, ...), and ``__index__`` makes it work wherever an
+    int is needed (``range``, list indices, ``torch.tensor``), each of which is a recorded use.
+    """
+
+    __slots__ = ("_value", "_label", "_watch")
+
+    def __init__(self, value: int, label: str, watch: StepWatch) -> None:
         """``value`` named ``label`` (``batch_idx``, ``self.global_step``) reporting its uses to ``watch``."""
-        instance = super().__new__(cls, value)
-        instance._label, instance._watch = label, watch
-        return instance
+        self._value, self._label, self._watch = int(value), label, watch
 
     def __reduce__(self) -> tuple[type, tuple[int]]:
-        return int, (int.__int__(self),)
+        return int, (self._value,)
+
+    def __str__(self) -> str:
+        return str(self._value)
+
+    def __repr__(self) -> str:
+        return repr(self._value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self._value, spec)
 
 
-def _recording(name: str) -> Callable[..., Any]:
-    base = getattr(int, name)
+numbers.Integral.register(StepInt)
 
+
+def _plain(value: Any) -> Any:
+    return value._value if isinstance(value, StepInt) else value
+
+
+def _recording(name: str, compute: Callable[..., Any]) -> Callable[..., Any]:
     def method(self: StepInt, *args: Any) -> Any:
         self._watch.record_use(self._label)
-        return base(self, *args)
+        return compute(self._value, *map(_plain, args))
 
-    method.__name__ = name
+    method.__name__ = f"__{name}__"
     return method
 
 
-# Every int operation whose result depends on the value; formatting (__str__, __repr__, __format__) is left out.
-_OPERATIONS = """bool eq ne lt le gt ge hash index int float round trunc floor ceil neg pos abs invert
-add radd sub rsub mul rmul truediv rtruediv floordiv rfloordiv mod rmod divmod rdivmod pow rpow
-and rand or ror xor rxor lshift rlshift rshift rrshift""".split()
-for _name in _OPERATIONS:
-    setattr(StepInt, f"__{_name}__", _recording(f"__{_name}__"))
+# Every int operation whose result depends on the value; formatting (__str__, __repr__, __format__) is
+# left out. Binary operations compute as Python's operators do on the plain int (so ``step == 0.0`` and
+# ``0.5 + step`` mix types as ints do); the reflected ones swap the operands.
+_UNARY = "bool hash index int float round trunc floor ceil neg pos abs invert".split()
+_BINARY = {
+    "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
+    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv, "floordiv": operator.floordiv,
+    "mod": operator.mod, "divmod": divmod, "pow": pow, "and": operator.and_, "or": operator.or_, "xor": operator.xor,
+    "lshift": operator.lshift, "rshift": operator.rshift,
+}
+_COMPARISONS = {"eq", "ne", "lt", "le", "gt", "ge"}
+for _name in _UNARY:
+    setattr(StepInt, f"__{_name}__", _recording(_name, getattr(int, f"__{_name}__")))
+for _name, _operation in _BINARY.items():
+    setattr(StepInt, f"__{_name}__", _recording(_name, _operation))
+    if _name not in _COMPARISONS:
+        setattr(StepInt, f"__r{_name}__", _recording(f"r{_name}", lambda value, other, operation=_operation: operation(other, value)))
 
 
 class StepWatch:
@@ -177,18 +211,18 @@ class StepWatch:
 
     def record_use(self, label: str) -> None:
         """A per-step value was used (called by `StepInt`)."""
-        self.uses.setdefault(label, _user_location())
+        self.uses.setdefault(label, user_location())
 
     def record_read(self, owner: nn.Module, name: str, value: Any) -> None:
         """A plain attribute of ``owner`` was read (its first value counts)."""
         key = (id(owner), name)
         if key not in self._reads and id(owner) in self._paths:
-            self._reads[key] = FrozenAttribute(self._paths[id(owner)], name, value, _user_location())
+            self._reads[key] = FrozenAttribute(self._paths[id(owner)], name, value, user_location())
 
     def record_write(self, owner: nn.Module, name: str) -> None:
         """A plain attribute of ``owner`` is about to be assigned (`undo_writes` puts its value back)."""
         if id(owner) in self._paths:
-            self.writes.setdefault(self.label(owner, name), _user_location())
+            self.writes.setdefault(self.label(owner, name), user_location())
             self._overwritten.setdefault((id(owner), name), (owner, name, vars(owner).get(name, _UNSET)))
 
     def undo_writes(self) -> None:
@@ -241,6 +275,7 @@ class _StepIntArguments(TorchFunctionMode):
         for leaf in pytree.tree_leaves((args, kwargs)):
             if isinstance(leaf, StepInt):
                 leaf._watch.record_use(leaf._label)
+        args, kwargs = pytree.tree_map(_plain, (args, kwargs))
         return func(*args, **kwargs)
 
 
@@ -322,10 +357,10 @@ def _step_properties(original: type, prefix: str | None, watch: StepWatch) -> di
 
         def fget(self: Any, base: property = base, name: str = name) -> Any:
             value = base.__get__(self, type(self))
-            if not isinstance(value, int) or isinstance(value, bool):
+            if not isinstance(value, (int, StepInt)) or isinstance(value, bool):
                 return value
             label = f"{prefix}.{name}" if prefix else watch.label(self, name)
-            return StepInt(int.__int__(value), label, watch)  # int.__int__: reading a StepInt is no use
+            return StepInt(_plain(value), label, watch)  # reading a StepInt's value is no use
 
         properties[name] = property(fget, doc=base.__doc__)
     return properties
@@ -367,10 +402,10 @@ def _code_names(klass: type) -> frozenset[str]:
     return frozenset(names)
 
 
-def _user_location() -> str:
-    """``file:line`` of the innermost caller outside this module and torch."""
+def user_location() -> str:
+    """``file:line`` of the innermost caller outside ``lightning_nnscaler.capture`` and torch."""
     frame = sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(_TORCH_DIRECTORY)):
+    while frame is not None and frame.f_code.co_filename.startswith((_CAPTURE_DIRECTORY, _TORCH_DIRECTORY)):
         frame = frame.f_back
     if frame is None:
         return "<unknown>"

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from lightning_nnscaler.capture.convert import CaptureError, convert
+from lightning_nnscaler.capture.items import item_values
 from lightning_nnscaler.capture.logs import LogCall, LogRecorder
 from lightning_nnscaler.capture.step_values import StepValues, StepWatch, watch_step
 from lightning_nnscaler.ir.graph import Graph
@@ -38,16 +39,29 @@ class _TrainingStep(nn.Module):
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, ...]:
         self.logs.reset()
-        with self.watch.torch_calls(), _logging_to(self.module, self.logs):
+        with self.watch.torch_calls(), item_values(), _logging_to(self.module, self.logs):
             output = self.module.training_step(batch, self.watch.batch_idx)
-        if isinstance(output, dict):
-            output = output.get("loss")
-        if not isinstance(output, torch.Tensor):
+        return self.logs.outputs(_loss_of(output, type(self.module).__name__))
+
+
+def _loss_of(output: Any, module_name: str) -> torch.Tensor:
+    """The loss ``training_step`` returned, refused as Lightning's automatic optimization would refuse it."""
+    if isinstance(output, dict):
+        if "loss" not in output:
             raise CaptureError(
-                f"{type(self.module).__name__}.training_step returned {type(output).__name__}; it must return the "
-                "loss tensor or a dict with a 'loss' tensor"
+                f"{module_name}.training_step returned a dict with the keys {sorted(map(str, output))} and no 'loss': "
+                "Lightning's automatic optimization takes the loss from the 'loss' key; return {'loss': loss, ...}"
             )
-        return self.logs.outputs(output)
+        output = output["loss"]
+    if not isinstance(output, torch.Tensor):
+        raise CaptureError(f"{module_name}.training_step returned {type(output).__name__}; it must return the loss tensor or a dict with a 'loss' tensor")
+    if output.numel() != 1:
+        raise CaptureError(
+            f"{module_name}.training_step returned a loss of shape {tuple(output.shape)}: backward needs a single number "
+            "(under ddp loss.backward() raises 'grad can be implicitly created only for scalar outputs'). Reduce it, e.g. "
+            "loss.mean(), or F.cross_entropy(..., reduction='mean')"
+        )
+    return output
 
 
 class _Forward(nn.Module):

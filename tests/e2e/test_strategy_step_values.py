@@ -130,3 +130,37 @@ def test_a_step_given_the_epoch_as_a_tensor_trains_like_auto(one_rank_group: Non
     assert len(losses) == BATCHES_PER_EPOCH * EPOCHS and trainer.current_epoch == EPOCHS
     assert {attribute.label for attribute in trainer.strategy.plan.step_values.attributes} == {"self.loss_name"}
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-7)
+
+
+class LogsItems(Regression):
+    """The Lightning docs' habit: log Python numbers taken with ``.item()``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("loss_item", loss.item())
+        self.log("bias_item", self.mlp[2].bias[0].item(), on_step=True)
+        return loss
+
+
+class MetricRecorder(Callback):
+    def __init__(self) -> None:
+        self.values: list[tuple[float, float]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        metrics = trainer.callback_metrics
+        self.values.append((float(metrics["loss_item"]), float(metrics["bias_item"])))
+
+
+@pytest.mark.timeout(120)
+def test_numbers_logged_with_item_are_each_steps_values_as_under_auto(one_rank_group: None) -> None:
+    logged = {}
+    for strategy in ("auto", NnScalerStrategy()):
+        recorder = MetricRecorder()
+        model = LogsItems()
+        model.configure_callbacks = lambda recorder=recorder: [recorder]
+        _, losses = _fit(model, strategy)
+        logged[str(strategy)] = (losses, recorder.values)
+    (expected_losses, expected), (losses, values) = logged.values()
+    assert len(values) == BATCHES_PER_EPOCH * EPOCHS and len({bias for _, bias in values}) == len(values)  # a new value every step
+    torch.testing.assert_close(torch.tensor(values), torch.tensor(expected), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-7)

@@ -8,6 +8,8 @@ from torch import nn
 
 import lightning_nnscaler as lnn
 
+import lightning as L
+
 
 class DataDependentGate(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,3 +115,65 @@ def test_a_batch_given_to_forward_is_refused_as_a_wrong_step_not_as_control_flow
     assert 'step="training_step"' in message
     assert "torch.where" not in message and "control flow" not in message
     lnn.parallelize(LitRegressor(), batch, "dp", 2, step="training_step").verify()  # the fix the message names works
+
+
+class StepReturning(nn.Module):
+    """A LightningModule-shaped step whose loss is computed as ``mode`` says."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.net = nn.Linear(8, 4)
+        self.mode = mode
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> object:
+        inputs, targets = batch
+        errors = nn.functional.mse_loss(self.net(inputs), targets, reduction="none")
+        if self.mode == "per element":
+            return errors
+        if self.mode == "no loss key":
+            return {"los": errors.mean()}
+        if self.mode == "item in the math":
+            return errors.mean() / errors.mean().item()
+        if self.mode == "item compared":
+            return errors.mean() * 2 if errors.mean().item() > 1 else errors.mean()
+        return errors.mean()
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("per element", r"returned a loss of shape \(4, 4\): backward needs a single number .*loss.mean\(\)"),
+        ("no loss key", r"returned a dict with the keys \['los'\] and no 'loss'"),
+        ("item in the math", r"calls .item\(\) at .*test_capture_errors.py:\d+ and computes \(truediv\) with its result.*drop .item\(\)"),
+        ("item compared", r"calls .item\(\) at .*test_capture_errors.py:\d+ and compares \(gt\) its result"),
+    ],
+)
+def test_a_step_ddp_would_refuse_is_refused_naming_what_and_where(mode: str, message: str) -> None:
+    with pytest.raises(lnn.CaptureError, match=message):
+        lnn.trace(StepReturning(mode), (torch.randn(4, 8), torch.randn(4, 4)), step="training_step")
+
+
+class LogsItem(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(8, 4)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        loss = nn.functional.mse_loss(self.net(inputs), targets)
+        self.log("loss_value", loss.item(), prog_bar=True)
+        self.log("first_weight", self.net.weight[0, 0].item())
+        return loss
+
+
+def test_a_logged_item_is_logged_as_its_tensor_computed_every_step() -> None:
+    from lightning_nnscaler.capture.trace import trace_step
+
+    model = LogsItem()
+    batch = (torch.randn(4, 8), torch.randn(4, 4))
+    traced = trace_step(model, batch)
+    assert [(call.name, call.output, call.options) for call in traced.logs] == [
+        ("loss_value", 0, {"prog_bar": True}), ("first_weight", 1, {}),
+    ]
+    plan = lnn.parallelize(model, batch, "dp", 2, step="training_step")
+    plan.verify()  # the logged values are graph outputs, equal to one device's

@@ -75,9 +75,39 @@ class CountsItsCalls(Regression):
         return self.loss(batch)
 
 
+class WarmsUpWithTheNumberOnTheLeft(Regression):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.loss(batch) * (0.5 * self.global_step + 1.0)
+
+
+class DecaysByEpochPower(Regression):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.loss(batch) * 0.9**self.current_epoch
+
+
+class ScalesByTwoToTheStep(Regression):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.loss(batch) * 2.0**self.trainer.global_step
+
+
+class DividesByTheStep(Regression):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.loss(batch) * (1.0 / (1.0 + batch_idx))
+
+
+class IndexesAScheduleList(Regression):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.loss(batch) * [1.0, 0.5, 0.25][min(self.current_epoch, 2)]
+
+
 @pytest.mark.parametrize(
     ("model_class", "message"),
     [
+        (WarmsUpWithTheNumberOnTheLeft, r"computes with self.global_step \(at .*test_step_values.py:\d+\)"),
+        (DecaysByEpochPower, r"computes with self.current_epoch"),
+        (ScalesByTwoToTheStep, r"computes with self.trainer.global_step"),
+        (DividesByTheStep, r"computes with batch_idx"),
+        (IndexesAScheduleList, r"computes with self.current_epoch"),
         (BranchesOnBatchIndex, r"BranchesOnBatchIndex.training_step computes with batch_idx \(at .*test_step_values.py:\d+\)"),
         (BranchesOnGlobalStep, r"computes with self.global_step \(at .*test_step_values.py:\d+\)"),
         (ScalesByEpoch, r"computes with self.current_epoch"),
