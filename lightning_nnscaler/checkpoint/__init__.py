@@ -16,6 +16,13 @@ and the save token each rank file and ``common.pt`` carries against the metadata
 a truncated file, or a file copied from another save is refused naming the file, what is wrong and
 what to do (``CheckpointError``). The metadata must list every rank file its world size requires.
 
+Paths (``target``): a save never deletes what it did not write. It refuses, before writing anything, a
+path that is a file or a directory holding files this format did not write (a user's directory, or a
+checkpoint someone put a file into); it replaces a checkpoint of its own, as Lightning replaces a file.
+One job saves to a path at a time (rank 0 holds a lock in it); a second is refused by name. Each
+checkpoint holds a ``README.txt`` for tools that expect a file (``torch.load`` and ``strategy="auto"``
+raise IsADirectoryError on it): load it with the nnscaler strategy or ``lightning-nnscaler ckpt merge``.
+
 Resharding: ``load`` assembles the single-device Lightning checkpoint (full ``state_dict``, each
 optimizer's ``state_dict`` over the whole module) from all the rank files, whatever plan wrote
 them (``assemble``); the strategy then cuts it into the new plan's pieces. ``merge`` writes that
@@ -35,15 +42,18 @@ import torch
 from lightning_nnscaler.checkpoint.assemble import assemble_model_state, full_optimizer_state
 from lightning_nnscaler.checkpoint.integrity import CheckpointError, check_file, torch_load, torch_load_mapped, write_hashed
 from lightning_nnscaler.checkpoint.layout import (
-    COMMON, FORMAT, METADATA, POINTER, SAVE_RECORD, VERSION, commit, current_save, is_sharded_checkpoint, leftovers,
-    partial_directory, rank_file_name, remove_leftovers, required_files, save_directory,
+    COMMON, FORMAT, METADATA, POINTER, README, SAVE_RECORD, VERSION, commit, current_save, enclosing_checkpoint, foreign_entries,
+    is_sharded_checkpoint, leftovers, merge_hint, partial_directory, rank_file_name, remove_leftovers, required_files, save_directory,
+    write_readme,
 )
+from lightning_nnscaler.checkpoint.target import check_target, claim
 from lightning_nnscaler.ir.box import PieceLocation
 
 __all__ = [
-    "COMMON", "FORMAT", "METADATA", "POINTER", "SAVE_RECORD", "VERSION", "CheckpointError", "commit", "current_save", "describe", "is_sharded_checkpoint",
-    "leftovers", "load", "merge", "open_merged", "partial_directory", "rank_file_name", "rank_payload", "read_metadata",
-    "remove_leftovers", "required_files", "save_directory", "write_atomically",
+    "COMMON", "FORMAT", "METADATA", "POINTER", "README", "SAVE_RECORD", "VERSION", "CheckpointError", "check_target", "claim", "commit",
+    "current_save", "describe", "foreign_entries", "is_sharded_checkpoint", "leftovers", "load", "merge", "merge_hint", "open_merged",
+    "partial_directory", "rank_file_name", "rank_payload", "read_metadata", "remove_leftovers", "required_files", "save_directory",
+    "write_atomically", "write_readme",
 ]
 
 
@@ -176,8 +186,12 @@ def _load_plain(path: Path) -> dict[str, Any]:
     """A plain (single-file) Lightning checkpoint.
 
     Raises:
-        CheckpointError: the file is not a torch file, or not a Lightning checkpoint.
+        CheckpointError: the file lies inside a sharded checkpoint (the hint names the directory and the merge
+            command), is not a torch file, or not a Lightning checkpoint.
     """
+    inside = enclosing_checkpoint(path)
+    if inside is not None:
+        raise CheckpointError(f"{path} is one file of a sharded checkpoint, not a checkpoint: pass its directory instead. {merge_hint(inside)}")
     payload = torch_load(None, path)
     if not isinstance(payload, dict) or not ({"state_dict", "pytorch-lightning_version"} & set(payload)):
         raise CheckpointError(f"{path} is a torch file but not a Lightning checkpoint (no state_dict): pass a checkpoint directory or file")

@@ -14,17 +14,23 @@ is the checkpoint. The switch is ``os.replace`` of ``CURRENT``: atomic, so at ev
         save-<token>/           the checkpoint: metadata.json, common.pt, rank00000-of-00002.pt, ...
         .partial-<token>/       a save being written (or interrupted): never loaded
         .replaced-<token>/      an earlier save being removed
+        README.txt              for people and other tools: what this directory is, how to load or merge it
+        .lock                   held by the job saving into ``path`` (``target``): one saving job at a time
 
 ``CURRENT`` records the hash of ``metadata.json``, which records the size and content hash of every
 other file, and every rank file and ``common.pt`` records the save's token: so an edited, truncated
 or swapped file is refused. Leftovers of an interrupted save are removed by the next successful
-save to ``path`` and listed by ``leftovers`` (``ckpt info``).
+save to ``path`` and listed by ``leftovers`` (``ckpt info``). Only names of this layout
+(``own_name``, ``own_file_in_save``) are ever removed: a file someone else put inside ``path`` stays,
+and ``target`` refuses to save over it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -37,6 +43,23 @@ METADATA = "metadata.json"
 COMMON = "common.pt"
 POINTER = "CURRENT"
 SAVE_RECORD = "lightning_nnscaler_save"  # the key of the save's record in common.pt
+README = "README.txt"
+LOCK = ".lock"
+
+# Names this layout writes: directly in ``path`` (besides POINTER, README, LOCK) and inside a save's directory.
+_SAVE_ENTRY = re.compile(r"(?:save|\.partial|\.replaced)-\w+|\.CURRENT\.tmp|\.README\.txt\.tmp")
+_SAVE_FILE = r"(?:metadata\.json|common\.pt|rank\d+-of-\d+\.pt)"
+_FILE_IN_SAVE = re.compile(rf"{_SAVE_FILE}|\.{_SAVE_FILE}\.tmp")  # a file, or its temporary (``write_hashed``)
+
+
+def own_name(name: str) -> bool:
+    """True for a name this layout writes directly inside a checkpoint directory."""
+    return name in (POINTER, README, LOCK) or _SAVE_ENTRY.fullmatch(name) is not None
+
+
+def own_file_in_save(name: str) -> bool:
+    """True for a name this layout writes inside a save's directory (``save-``, ``.partial-``, ``.replaced-<token>``)."""
+    return _FILE_IN_SAVE.fullmatch(name) is not None
 
 
 def rank_file_name(rank: int, world_size: int) -> str:
@@ -67,6 +90,85 @@ def token_of(partial: Path) -> str:
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     """True for a directory (finished or not) rather than a plain checkpoint file."""
     return Path(path).is_dir()
+
+
+README_TEXT = """\
+This directory is a lightning-nnscaler sharded checkpoint ({format} v{version}), not a checkpoint
+file: torch.load, LightningModule.load_from_checkpoint and Trainer(strategy="auto") cannot read it
+(they raise IsADirectoryError).
+
+Resume or load it with the nnscaler strategy (under any recipe and number of devices):
+    Trainer(strategy="nnscaler", ...).fit(model, ckpt_path={name!r})
+
+Or merge it into one plain Lightning checkpoint file, which loads with any strategy
+(run this in the directory that holds {name}):
+    lightning-nnscaler ckpt merge {name_arg} {merged_arg}
+
+In Python:
+    lightning_nnscaler.checkpoint.load({name!r})  # the plain checkpoint dict
+    MyModule.load_from_checkpoint(lightning_nnscaler.checkpoint.open_merged({name!r}))
+
+CURRENT names the save (save-<token>/) that is the checkpoint. Every load checks each file's
+content hash (`lightning-nnscaler ckpt info --verify {name_arg}` does too): do not edit them.
+Keep other files out of this directory: a save refuses to replace a checkpoint that holds them.
+"""
+
+
+def merge_hint(path: str | os.PathLike) -> str:
+    """How to read the sharded checkpoint at ``path`` where a plain checkpoint file is expected."""
+    path = Path(path)
+    merged = path.with_name(f"{path.stem}-merged.ckpt")
+    return (
+        f"{path} is a lightning-nnscaler sharded checkpoint (a directory; see its {README}): load it with strategy=\"nnscaler\", "
+        f"or merge it into one plain Lightning checkpoint file that loads with any strategy: "
+        f"lightning-nnscaler ckpt merge {shlex.quote(str(path))} {shlex.quote(str(merged))}"
+    )
+
+
+def write_readme(path: str | os.PathLike) -> None:
+    """Write ``README.txt`` into ``path`` (unless it is there already): what the directory is and how to load or
+    merge it, for whoever opens it with something else than lightning-nnscaler (``torch.load`` and
+    ``strategy="auto"`` raise IsADirectoryError on a directory, and offer no hook to say more)."""
+    path = Path(path)
+    name, merged = path.name, f"{Path(path.name).stem}-merged.ckpt"
+    text = README_TEXT.format(format=FORMAT, version=VERSION, name=name, name_arg=shlex.quote(name), merged_arg=shlex.quote(merged))
+    readme = path / README
+    try:
+        if readme.read_text() == text:
+            return
+    except (OSError, UnicodeDecodeError):
+        pass
+    os.replace(_write_temporary(readme, text), readme)
+
+
+def enclosing_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The sharded checkpoint directory that the file ``path`` lies in (directly, or in one of its saves), if any."""
+    for directory in list(Path(path).absolute().parents)[:2]:
+        if (directory / POINTER).is_file():
+            return directory
+    return None
+
+
+def foreign_entries(path: str | os.PathLike) -> list[str]:
+    """Names inside the directory ``path`` that this layout did not write, sorted: in ``path`` itself (``notes.txt``)
+    and inside each save's directory (``save-<token>/notes.txt``). A symbolic link is foreign. Entries that vanish
+    while they are listed (a concurrent save removing its own) are skipped."""
+    foreign = []
+    for entry in _entries(Path(path)):
+        if not own_name(entry.name) or entry.is_symlink():
+            foreign.append(entry.name)
+        elif _SAVE_ENTRY.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+            foreign += [f"{entry.name}/{inner.name}" for inner in _entries(Path(entry.path))
+                        if not own_file_in_save(inner.name) or not inner.is_file(follow_symlinks=False)]
+    return sorted(foreign)
+
+
+def _entries(directory: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(directory) as entries:
+            return list(entries)
+    except FileNotFoundError:
+        return []
 
 
 def _after_step(step: str) -> None:
@@ -146,13 +248,14 @@ def _current_token(path: Path) -> str | None:
 
 
 def leftovers(path: str | os.PathLike) -> list[str]:
-    """Names inside ``path`` that are not part of its current save: interrupted or replaced saves, temporary files."""
+    """Names inside ``path`` that this layout wrote and are not part of its current save: interrupted or replaced
+    saves, temporary files (never a name it does not write: see ``foreign_entries``)."""
     path = Path(path)
     if not path.is_dir():
         return []
     current = _current_token(path)
-    keep = {POINTER} | ({f"save-{current}"} if current else set())
-    return sorted(child.name for child in path.iterdir() if child.name not in keep)
+    keep = {POINTER, README, LOCK} | ({f"save-{current}"} if current else set())
+    return sorted(child.name for child in path.iterdir() if own_name(child.name) and child.name not in keep)
 
 
 def remove_leftovers(path: str | os.PathLike) -> list[str]:
@@ -186,7 +289,7 @@ def current_save(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
                 f"{path} is a lightning-nnscaler checkpoint of format v1 (no content hashes, no {POINTER}): this version reads v{VERSION}. "
                 "Load it with the lightning-nnscaler that wrote it and save it again"
             )
-        found = leftovers(path)
+        found = sorted(child.name for child in path.iterdir())[:5]
         raise CheckpointError(
             f"{path} has no {POINTER}: it is not a finished lightning-nnscaler checkpoint (a save that was interrupted before its "
             f"commit leaves none; found {', '.join(found) or 'nothing'}). Load an earlier checkpoint; the next save to this path removes the leftovers"

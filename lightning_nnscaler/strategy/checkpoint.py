@@ -22,6 +22,7 @@ import os
 import shutil
 import uuid
 from collections import defaultdict
+from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -31,7 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_nnscaler.checkpoint import (
-    COMMON, SAVE_RECORD, CheckpointError, commit, partial_directory, rank_file_name, rank_payload, write_atomically,
+    COMMON, POINTER, README, SAVE_RECORD, CheckpointError, claim, commit, partial_directory, rank_file_name, rank_payload,
+    write_atomically, write_readme,
 )
 from lightning_nnscaler.ir.box import PieceLocation, full_box
 from lightning_nnscaler.runtime.executor import RankExecutor
@@ -147,6 +149,8 @@ def save_sharded(
 ) -> None:
     """Write ``checkpoint`` as a sharded checkpoint directory at ``path`` (all ranks call it).
 
+    Rank 0 first claims ``path`` (``checkpoint.claim``): it refuses a file or a directory holding files this
+    format did not write, and a path another job is saving to; every rank learns of it before writing.
     Every rank writes its file into ``path/.partial-<token>`` and reports its size and content hash;
     rank 0 checks it can see every rank's file (else the ranks write to different machines' disks),
     then commits (``checkpoint.commit``); every rank learns the outcome, so all succeed or all raise.
@@ -160,10 +164,46 @@ def save_sharded(
         gather: Every rank's object, by rank (a collective).
 
     Raises:
-        CheckpointError: a rank failed to write its file, rank 0 cannot see some rank's file (no shared
-            filesystem), or the commit failed; the earlier checkpoint at ``path`` is kept.
+        CheckpointError: ``path`` is refused or busy (nothing written), a rank failed to write its file, rank 0
+            cannot see some rank's file (no shared filesystem), or the commit failed; the earlier checkpoint is kept.
     """
-    token = gather(uuid.uuid4().hex[:12])[0]
+    with ExitStack() as claimed:  # rank 0 holds the claim until every rank knows the outcome
+        refusal = _claim(path, claimed) if rank == 0 else None
+        token, refusal = gather((uuid.uuid4().hex[:12], refusal))[0]
+        if refusal is not None:
+            raise CheckpointError(refusal)
+        _write_and_commit(
+            checkpoint, path, token, rank=rank, world_size=world_size, module=module, model_pieces=model_pieces,
+            optimizer_pieces=optimizer_pieces, group_keys=group_keys, plan=plan, gather=gather,
+        )
+
+
+def _claim(path: str | os.PathLike, claimed: ExitStack) -> Optional[str]:
+    """Rank 0: hold ``path`` for this save (``checkpoint.claim``) until ``claimed`` closes, or the refusal every rank raises."""
+    try:
+        claimed.enter_context(claim(path))
+    except CheckpointError as error:
+        return str(error)
+    except Exception as error:  # noqa: BLE001 - e.g. no permission to create it: every rank must learn of it
+        return f"saving {path} failed on rank 0 before writing anything: {type(error).__name__}: {error}"
+    return None
+
+
+def _write_and_commit(
+    checkpoint: dict[str, Any],
+    path: str | os.PathLike,
+    token: str,
+    *,
+    rank: int,
+    world_size: int,
+    module: nn.Module,
+    model_pieces: list[tuple[PieceLocation, torch.Tensor]],
+    optimizer_pieces: list[list[tuple[PieceLocation, dict[str, Any]]]],
+    group_keys: list[list[list[str]]],
+    plan: dict[str, Any],
+    gather: Callable[[Any], list[Any]],
+) -> None:
+    """The save under rank 0's claim: every rank writes its file into the partial directory; rank 0 commits (see ``save_sharded``)."""
     save = {"token": token, "world_size": world_size, "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
     with_optimizers = "optimizer_states" in checkpoint
     optimizer_pieces = optimizer_pieces if with_optimizers else []
@@ -221,11 +261,14 @@ def _commit_or_refuse(path: str | os.PathLike, partial: Path, reports: list[tupl
         )
     else:
         try:
+            write_readme(path)  # what the directory is, for torch.load and strategy="auto" users (see the layout)
             commit(partial, path, metadata, files)
         except Exception as error:  # noqa: BLE001 - every rank must learn of it
             verdict = f"saving {path} failed while committing it: {type(error).__name__}: {error}; the earlier checkpoint is kept"
     if verdict is not None:
         shutil.rmtree(partial, ignore_errors=True)
+        if not (Path(path) / POINTER).exists():  # a failed first save: the README describes no checkpoint
+            (Path(path) / README).unlink(missing_ok=True)
     return verdict
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-import lightning_nnscaler as lnn  # noqa: F401 - before lightning
+import lightning_nnscaler as lnn  # noqa: F401 - registers the strategies
 from lightning_nnscaler.strategy import checkpoint as strategy_checkpoint
 
 from lightning_nnscaler.checkpoint import CheckpointError, layout  # noqa: E402
@@ -102,3 +102,37 @@ def killed_during_overwrite_worker(rank: int, world_size: int, directory: str) -
     strategy_checkpoint.commit = counting_commit  # what save_sharded calls
     layout._after_step = die_before_the_switch
     runs_worker(rank, world_size, [("killed", "nnscaler_tp", 2, {"checkpoint_dir": directory, "validate": False})])
+
+
+def fit_for_saving(strategy: str, steps: int = 2, ckpt_path: str | None = None) -> L.Trainer:
+    """A one-device Trainer with ``strategy`` fitted to ``steps`` steps (resumed from ``ckpt_path`` if given; no
+    automatic checkpoints), ready for ``trainer.save_checkpoint``."""
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    train = torch.utils.data.DataLoader(TokenDataset(4 * GLOBAL_BATCH, seed=1), batch_size=replica_batch_size(strategy, 1))
+    trainer.fit(build_model(), train, ckpt_path=ckpt_path)
+    return trainer
+
+
+def save_repeatedly_job(path: str, label: int, saves: int, start: Any, results: Any) -> None:
+    """One job of its own (a one-device nnscaler Trainer in this process, with its own process group): fit 2
+    steps, wait at ``start``, then ``trainer.save_checkpoint(path)`` ``saves`` times; each outcome goes to
+    ``results`` as ``(label, "saved" | "busy" | the error)``."""
+    from lightning_nnscaler.launch import free_port
+
+    torch.set_num_threads(1)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
+        os.environ.pop(name, None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), LOCAL_RANK="0", NODE_RANK="0")
+    trainer = fit_for_saving("nnscaler")
+    start.wait()
+    for _ in range(saves):
+        try:
+            trainer.save_checkpoint(path)
+            results.put((label, "saved"))
+        except CheckpointError as error:
+            results.put((label, "busy" if "another process is saving to" in str(error) else f"CheckpointError: {error}"))
+        except Exception as error:  # noqa: BLE001 - the bug: FileNotFoundError on the other job's temporary names
+            results.put((label, f"{type(error).__name__}: {error}"))
