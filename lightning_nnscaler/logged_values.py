@@ -35,6 +35,7 @@ import torch
 from lightning_nnscaler.capture.logs import LogCall
 from lightning_nnscaler.capture.trace import needed_ops
 from lightning_nnscaler.ir.graph import Graph
+from lightning_nnscaler.ir.interpret import call_op
 from lightning_nnscaler.ir.op import Op, resolve_target
 from lightning_nnscaler.ir.rules import annotate_op
 from lightning_nnscaler.ir.rules.networks import POINTWISE_LOSSES
@@ -117,6 +118,57 @@ class LoggedValues:
             value = values[name][replica] if name not in self.shared else values[name]
             logged.append((call.name, value, call.options))
         return logged
+
+
+@dataclass
+class KeptTargets:
+    """The losses a step averages over the targets they keep (a cross-entropy's targets that are not its
+    ``ignore_index``, which capture writes as ``sum / count(target != ignore_index)``), and how to count
+    each data-parallel replica's kept targets in a whole batch.
+
+    The plan takes such a mean over the whole global batch, as one device does; ddp averages each
+    replica's own mean. They agree where every replica keeps as many targets.
+    """
+
+    replicas: int
+    masks: dict[str, str] = field(default_factory=dict)
+    """Loss name -> its mask of kept targets (a tensor name)."""
+    rows_dim: dict[str, int] = field(default_factory=dict)
+    """Mask -> its dim that holds the batch's rows, replica blocks in order (a mask absent: cannot be told apart)."""
+    ops: list[Op] = field(default_factory=list)
+    """The ops from the batch inputs to the masks, in order."""
+
+    def per_replica(self, inputs: dict[str, torch.Tensor]) -> dict[str, list[int] | None]:
+        """Per loss, each replica's count of kept targets in the whole batch ``inputs`` (by graph input name);
+        None for a loss whose mask cannot be split by replica."""
+        values = dict(inputs)
+        for op in self.ops:
+            values.update(zip((output.name for output in op.outputs), call_op(op, lambda _, piece: values[piece.name])))
+        counts: dict[str, list[int] | None] = {}
+        for loss, mask in self.masks.items():
+            dim = self.rows_dim.get(mask)
+            counts[loss] = None if dim is None else [int(block.sum()) for block in values[mask].chunk(self.replicas, dim)]
+        return counts
+
+
+def kept_targets(graph: Graph, replicas: int) -> KeptTargets:
+    """The losses of ``graph`` (a traced step over ``replicas`` replicas' rows) that average over their kept targets."""
+    producer = {output.name: op for op in graph.ops for output in op.outputs}
+    masks = {}
+    for op in graph.ops:
+        if op.target == "aten.sum.default" and op.name.endswith("_count"):
+            feeds = [producer.get(piece.name) for piece in op.tensor_inputs]
+            masks.update({op.name.removesuffix("_count"): feed.outputs[0].name for feed in feeds
+                          if feed is not None and feed.target == "aten.ne.Scalar" and feed.name.endswith("_kept")})
+    if not masks:
+        return KeptTargets(replicas)
+    needed = needed_ops(graph, list(masks.values()))
+    ops = [op for op in graph.ops if op.name in needed]
+    batch = {tensor.name for tensor in graph.user_inputs} | {output.name for op in ops for output in op.outputs}
+    if any(piece.name not in batch for op in ops for piece in op.tensor_inputs):  # computed from more than the batch
+        return KeptTargets(replicas, masks)
+    rows = batch_dims(graph, replicas)
+    return KeptTargets(replicas, masks, {mask: rows[mask] for mask in masks.values() if mask in rows}, ops)
 
 
 def plan_logged_values(graph: Graph, calls: list[LogCall], replicas: int, replica_graph: Graph | None = None) -> LoggedValues:

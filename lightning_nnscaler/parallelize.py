@@ -26,7 +26,7 @@ from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import PROLOGUE
 from lightning_nnscaler.ir.randomness import current_stream
 from lightning_nnscaler.ir.validate import PlanError
-from lightning_nnscaler.logged_values import LoggedValues, plan_logged_values
+from lightning_nnscaler.logged_values import KeptTargets, LoggedValues, kept_targets, plan_logged_values
 from lightning_nnscaler.materialize.dependencies import materialize
 from lightning_nnscaler.materialize.program import Compute, Program, Recv, Send
 from lightning_nnscaler.materialize.releases import pipeline_releases
@@ -80,6 +80,8 @@ class Plan:
     """What the traced training_step logs and how each rank computes its replica's values (None for forward)."""
     search: Any = None
     """For ``recipe="auto"``: the search that chose this plan (``sim.search.SearchResult``: winner and ranked table)."""
+    kept_targets: KeptTargets | None = None
+    """The losses averaged over their kept targets, counted per loaded replica (``GlobalMeanWarning``); None with one replica."""
 
     @property
     def data_layout(self) -> RecipeLayout:
@@ -204,8 +206,9 @@ def explain_pipeline(pipeline: PipelinePlan) -> str:
     measured = bubble_fraction(schedule, durations)
     formula = theoretical_bubble_fraction(ranks, microbatches, virtual)
     header = (
-        f"pipeline: {schedule.stages} stages on {ranks} positions, {microbatches} microbatches; bubble {measured:.1%} "
-        f"(symbolic run, F=1 B=2{' W=1, B split' if schedule.splits_backward else ''}); (p-1)/({'v·' if virtual > 1 else ''}m+p-1) = {formula:.1%}"
+        f"pipeline: {schedule.stages} stages on {ranks} positions, {microbatches} microbatches; schedule bubble {measured:.1%} "
+        f"(theory: idle share of the action grid below, run with F=1 B=2{' W=1, B split' if schedule.splits_backward else ''} and no "
+        f"communication; (p-1)/({'v·' if virtual > 1 else ''}m+p-1) = {formula:.1%})"
     )
     if shared:
         header += (
@@ -261,7 +264,10 @@ def parallelize(
         model_parallel = world_size // context.layout.data_parallel if context.layout is not None else 1
         check_coverage(planned, graph, world_size, recipe=recipe, allow_partial=allow_partial, refusals=refusals, model_parallel=model_parallel)
     loaded_replicas = world_size if recipe == "auto" else world_size // model_parallel  # auto's loader gives every rank its own rows
-    warn_means_over_kept_targets(graph, loaded_replicas)
+    kept = kept_targets(graph, loaded_replicas) if loaded_replicas > 1 else None
+    if kept is not None and kept.masks:
+        example = bind_inputs(graph, module, example_args, step=step)
+        warn_means_over_kept_targets(kept.per_replica({tensor.name: example[tensor.name] for tensor in graph.user_inputs}), loaded_replicas)
     with stage(f"materializing {len(planned.ops)} pieces and generating {world_size} modules"):
         plan = build_plan(
             module, example_args, step, graph, planned, world_size, recipe=recipe, params=params, zero_stage=context.zero_stage,
@@ -270,6 +276,7 @@ def parallelize(
     plan.step_values = step_values
     plan.logged = logged
     plan.search = context.search
+    plan.kept_targets = kept
     return plan
 
 
@@ -308,29 +315,27 @@ class _Stages:
 
 class GlobalMeanWarning(UserWarning):
     """A loss averages over a count that depends on the batch's values (targets a cross-entropy keeps, not
-    its ``ignore_index``) across several data-parallel replicas: the plan takes the whole global batch's
-    mean, as one device does, where ddp averages each replica's own mean."""
+    its ``ignore_index``), and the data-parallel replicas keep different counts: the plan takes the whole
+    global batch's mean, as one device does, where ddp averages each replica's own mean."""
 
 
-def warn_means_over_kept_targets(graph: Graph, replicas: int) -> None:
-    """Warn (``GlobalMeanWarning``) when ``graph`` divides a loss by its count of kept targets and the batch
-    is loaded by more than one replica: where the replicas keep different counts, the gradients are one
-    device's, not ddp's."""
-    if replicas <= 1:
+def warn_means_over_kept_targets(counts: dict[str, list[int] | None], replicas: int, *, stacklevel: int = 3) -> None:
+    """Warn (``GlobalMeanWarning``) naming the losses whose replicas keep different numbers of targets, or whose
+    counts could not be told apart by replica (None); ``counts`` holds each replica's count per loss
+    (``KeptTargets.per_replica``). Where every replica keeps as many, ddp's average of the replicas' means is
+    the global mean, and nothing is said."""
+    differing = {loss: each for loss, each in counts.items() if each is None or len(set(each)) > 1}
+    if not differing:
         return
-    producer = {output.name: op for op in graph.ops for output in op.outputs}
-    losses = [op.name.removesuffix("_count") for op in graph.ops if op.target == "aten.sum.default" and op.name.endswith("_count")
-              and any((feed := producer.get(piece.name)) is not None and feed.target == "aten.ne.Scalar" and feed.name.endswith("_kept")
-                      for piece in op.tensor_inputs)]
-    if losses:
-        warnings.warn(
-            f"{', '.join(losses)}: the mean over the targets kept (not ignore_index) is taken over the whole global batch of "
-            f"{replicas} data-parallel replicas, as one device takes it; ddp averages each replica's own mean, so where the "
-            "replicas keep different numbers of targets the gradients differ from ddp's (they equal a single device's "
-            "on the global batch). The plan computes every sum over the batch globally, so a per-replica mean cannot be "
-            "asked for; to silence this, filter lightning_nnscaler.GlobalMeanWarning.",
-            GlobalMeanWarning, stacklevel=3,
-        )
+    kept = "; ".join(f"{loss} keeps {min(each)} to {max(each)} targets per replica" for loss, each in differing.items() if each is not None)
+    warnings.warn(
+        f"{', '.join(differing)}: the mean over the targets kept (not ignore_index) is taken over the whole global batch of "
+        f"{replicas} data-parallel replicas, as one device takes it; ddp averages each replica's own mean, and the "
+        f"replicas keep different numbers of targets{f' ({kept})' if kept else ' (or they cannot be counted per replica)'}, so the "
+        "gradients differ from ddp's (they equal a single device's on the global batch). The plan computes every sum over the "
+        "batch globally, so a per-replica mean cannot be asked for; to silence this, filter lightning_nnscaler.GlobalMeanWarning.",
+        GlobalMeanWarning, stacklevel=stacklevel,
+    )
 
 
 def build_plan(

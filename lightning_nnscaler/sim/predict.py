@@ -70,12 +70,15 @@ class Prediction:
         return self.simulation.step_seconds
 
     def summary(self) -> str:
-        """One line: the simulated step, its bubble and the busiest rank's compute, communication and idle shares."""
+        """One line: the simulated step, its bubble (the share of all ranks' step time not computing: communicating or idle;
+        not the schedule's theoretical bubble that ``explain_pipeline`` prints) and the busiest rank's compute, communication
+        and idle shares."""
         ranks = self.simulation.ranks
         step = self.step_seconds or 1.0
         worst = max(range(len(ranks)), key=lambda rank: ranks[rank].communication + ranks[rank].idle)
         stats = ranks[worst]
-        return (f"predicted step on {self.spec_name}: {self.step_seconds * 1e3:.3f} ms (simulated; bubble {self.simulation.bubble_fraction:.1%}; "
+        return (f"predicted step on {self.spec_name}: {self.step_seconds * 1e3:.3f} ms (simulated; bubble {self.simulation.bubble_fraction:.1%} "
+                f"of all ranks' step time not computing, i.e. communicating or idle; "
                 f"rank {worst}: compute {stats.busy / step:.0%}, communication {stats.communication / step:.0%}, idle {stats.idle / step:.0%}); "
                 f"peak memory {human_bytes(max(self.peak_bytes))} on the fullest rank")
 

@@ -106,8 +106,8 @@ from lightning_nnscaler.strategy.plan_logging import log_measured_step, log_plan
 from lightning_nnscaler.strategy.step_timing import PredictedStep, StepTimer, predict_step
 from lightning_nnscaler.plans.layout import RecipeLayout
 from lightning_nnscaler.strategy.planning import (
-    batch_signature, check_fits, check_new_signature, check_recipe, check_supported, gather_replica_batch, graph_inputs,
-    plan_training_step, random_masks_notice, reads_other_rows, share_pieces,
+    KeptTargetsCheck, batch_signature, check_fits, check_new_signature, check_recipe, check_supported, gather_replica_batch,
+    graph_inputs, plan_training_step, random_masks_notice, reads_other_rows, share_pieces,
 )
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -345,6 +345,7 @@ class NnScalerStrategy(ParallelStrategy):
         first = self.executor is None
         if first:
             self._plans_by_shape: dict[tuple, tuple[Plan, RankExecutor]] = {}
+            self._kept_targets_check = KeptTargetsCheck()
         check_new_signature(signature, list(self._plans_by_shape), self._all_gather_objects)
         # Traced under the precision's autocast, as it will run: the plan's dtypes are what the step computes.
         with self.precision_plugin.train_step_context():
@@ -399,6 +400,7 @@ class NnScalerStrategy(ParallelStrategy):
         batch_idx = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
         trainer = self.lightning_module.trainer
         inputs = graph_inputs(self.plan, batch, self.layout)
+        self._kept_targets_check(self.plan, inputs, self.global_rank, self._all_gather_objects)  # at each plan's first step
         if reads_other_rows(self.layout, self.plan.data_layout, self.world_size):  # auto: the winner's rows
             inputs = gather_replica_batch(inputs, self.layout, self.plan.data_layout, self.global_rank, self._all_gather_tensor)
         scaler = getattr(self.precision_plugin, "scaler", None)  # 16-mixed: backward of the loss times the loss scale

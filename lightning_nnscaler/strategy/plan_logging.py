@@ -7,6 +7,10 @@ rank the very rows ``Plan.explain`` prints: memory estimate and bytes sent per s
 code saved among the run's files. With them, the predicted step (``step_timing.predict_step``):
 ``nnscaler/predicted_step_ms`` and the spec it was predicted on, ``nnscaler/predicted_spec``.
 
+**The search** (``recipe="auto"``): the plan summary's ``search`` holds the chosen recipe and its
+parameters (``chosen_recipe``, ``chosen_params``), its predicted step and peak memory, and the ranked
+candidates (``search_summary``); rank 0 also prints the winner and the ranked table to the console.
+
 **The measured step** (``log_measured_step``, at the end of the fit): ``nnscaler/measured_step_ms``
 (``step_timing.StepTimer``'s median) and ``nnscaler/measured_over_predicted`` go to every logger's
 ``log_metrics`` (and so to a W&B run's summary).
@@ -16,14 +20,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.loggers import Logger, WandbLogger
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from lightning_nnscaler.explain import COMMUNICATION_CONVENTION, MEMORY_KEYS, OPTIMIZER_ASSUMPTION, TRANSIENT_NOTE
 from lightning_nnscaler.parallelize import Plan
 from lightning_nnscaler.strategy.step_timing import PredictedStep
+
+if TYPE_CHECKING:  # the simulator is imported only where a plan is searched or predicted
+    from lightning_nnscaler.sim.search import Outcome, SearchResult
 
 PLAN_KEY = "nnscaler"
 """The hyperparameter (and W&B config) key that holds the plan summary."""
@@ -33,6 +40,8 @@ PREDICTED_STEP_KEY = f"{PLAN_KEY}/predicted_step_ms"
 PREDICTED_SPEC_KEY = f"{PLAN_KEY}/predicted_spec"
 MEASURED_STEP_KEY = f"{PLAN_KEY}/measured_step_ms"
 MEASURED_OVER_PREDICTED_KEY = f"{PLAN_KEY}/measured_over_predicted"
+SEARCH_ROWS = 20
+"""Candidates of an ``auto`` search that the console and the loggers get, fastest first (the count of all is logged too)."""
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
@@ -50,7 +59,33 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         "zero_stage": plan.zero_stage,
         "memory": memory,
         "notes": {"optimizer": OPTIMIZER_ASSUMPTION, "transient": TRANSIENT_NOTE, "communication": COMMUNICATION_CONVENTION},
+        **({"search": search_summary(plan.search)} if plan.search is not None else {}),
     }
+
+
+def search_summary(search: SearchResult) -> dict[str, Any]:
+    """What ``recipe="auto"`` chose and measured: the winner's recipe and parameters, its predicted step (ms) and
+    peak memory (bytes per rank) on the spec, and the first ``SEARCH_ROWS`` candidates in rank order."""
+    best = search.best
+    return {
+        "chosen_recipe": best.candidate.recipe,
+        "chosen_params": best.candidate.kwargs,
+        "predicted_step_ms": _milliseconds(best),
+        "peak_bytes": best.peak_bytes,
+        "spec": search.spec_name,
+        "memory_limit_bytes": int(search.memory_limit_bytes),
+        "candidates_searched": len(search.outcomes),
+        "candidates_fitting": len(search.ranked),
+        "ranked": [
+            {"candidate": str(outcome.candidate), "predicted_step_ms": _milliseconds(outcome), "peak_bytes": outcome.peak_bytes,
+             "fits": outcome.reason or "yes"}
+            for outcome in search.outcomes[:SEARCH_ROWS]
+        ],
+    }
+
+
+def _milliseconds(outcome: Outcome) -> float | None:
+    return None if outcome.step_seconds is None else outcome.step_seconds * 1e3
 
 
 def predicted_values(predicted: PredictedStep | None) -> dict[str, Any]:
@@ -65,11 +100,15 @@ def predicted_values(predicted: PredictedStep | None) -> dict[str, Any]:
 @rank_zero_only
 def log_plan(loggers: Iterable[Logger], plan: Plan, predicted: PredictedStep | None = None) -> None:
     """Log the plan (``plan_summary``, under the key ``PLAN_KEY``) and its ``predicted`` step
-    (``predicted_values``) to every logger; rank 0 only.
+    (``predicted_values``) to every logger; rank 0 only. For ``recipe="auto"`` it first prints the search's
+    winner and ranked table (``SEARCH_ROWS`` rows) to the console.
 
     A ``WandbLogger`` also gets the plan hash, each rank's total memory estimate and the predicted step
     in the run summary, and the generated code as ``CODE_FOLDER/<plan hash>/rank{r}.py`` among the run's files.
     """
+    if plan.search is not None:
+        rank_zero_info(f"NnScalerStrategy: recipe 'auto' chose {plan.search.best.candidate}\n{plan.search.summary()}\n"
+                       f"{plan.search.table(SEARCH_ROWS)}")
     summary = plan_summary(plan)
     prediction = predicted_values(predicted)
     for logger in loggers:

@@ -23,7 +23,7 @@ from lightning_nnscaler.capture import CaptureError, flatten_inputs
 from lightning_nnscaler.codegen import CodegenError
 from lightning_nnscaler.ir.randomness import RANDOM_LIKE_OP, RANDOM_OP
 from lightning_nnscaler.ir.validate import PlanError
-from lightning_nnscaler.parallelize import GlobalMeanWarning, Plan, parallelize
+from lightning_nnscaler.parallelize import GlobalMeanWarning, Plan, parallelize, warn_means_over_kept_targets
 from lightning_nnscaler.plans.catalog import RecipeError, load_recipe
 from lightning_nnscaler.plans.layout import RecipeLayout
 from lightning_nnscaler.runtime.executor import RankExecutor
@@ -281,6 +281,38 @@ def gather_replica_batch(
         rows = whole.shape[0] // replicas
         gathered[name] = whole[replica * rows : (replica + 1) * rows]
     return gathered
+
+
+class KeptTargetsCheck:
+    """Whether the data-parallel replicas keep as many targets of each loss that averages over its kept
+    targets (``Plan.kept_targets``): ddp's average of the replicas' means is then the plan's global mean.
+
+    Checked at each plan's first step (a collective when the plan has such a loss), on the batches
+    the replicas really loaded; planning cannot tell, as it traces every replica's rows alike
+    (``whole_batch``). Rank 0 warns (``GlobalMeanWarning``) the first time the counts differ; then
+    nothing is checked any more.
+    """
+
+    def __init__(self) -> None:
+        self.checked: set[str] = set()
+        """Hashes of the plans checked."""
+        self.warned = False
+
+    def __call__(self, plan: Plan, inputs: dict[str, torch.Tensor], rank: int, gather: Callable[[Any], list[Any]]) -> None:
+        """Check ``plan`` on this rank's batch ``inputs`` (by graph input name, as its replica loaded them) unless it was."""
+        kept = plan.kept_targets
+        if self.warned or plan.plan_hash in self.checked or kept is None or not kept.masks:
+            return
+        self.checked.add(plan.plan_hash)
+        # The shapes the plan was traced on (``whole_batch``): every replica's block holds this rank's rows.
+        repeated = {name: torch.cat([value] * kept.replicas) if value.dim() else value for name, value in inputs.items()}
+        mine = {loss: by_replica[0] for loss, by_replica in kept.per_replica(repeated).items() if by_replica is not None}
+        by_rank = gather(mine)  # the ranks of one replica loaded the same rows: comparing the ranks compares the replicas
+        counts = {loss: [rank_counts[loss] for rank_counts in by_rank] for loss in mine}
+        differ = any(len(set(each)) > 1 for each in counts.values())  # the same on every rank: all stop checking together
+        if differ and rank == 0:
+            warn_means_over_kept_targets(counts, kept.replicas)
+        self.warned = differ
 
 
 def random_masks_notice(plan: Plan) -> str | None:

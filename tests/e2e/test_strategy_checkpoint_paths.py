@@ -1,7 +1,7 @@
 """Where ``trainer.save_checkpoint`` of NnScalerStrategy may write, through real Trainers: a user's directory
 is refused and keeps every file, two jobs saving to one path get a clear error (never another save's
 FileNotFoundError) and leave a checkpoint that verifies, and ``strategy="auto"`` given a sharded checkpoint
-finds the merge command in its README.txt, which makes a file it resumes from.
+is refused with the merge command (also in its README.txt), which makes a file it resumes from.
 
 The one-device runs join a 1-rank gloo group in the pytest process (``one_rank_group``); the two jobs are
 separate processes forked from the rank server (``support.ranks``), each with its own process group.
@@ -46,10 +46,10 @@ def test_a_users_directory_is_refused_and_auto_finds_the_merge_command(one_rank_
     trainer.save_checkpoint(path)
     trainer.save_checkpoint(path)  # replacing our own checkpoint stays allowed
     assert checkpoint.describe(path, verify=True)["save"]["global_step"] == 2
-    with pytest.raises(IsADirectoryError):  # Lightning's TorchCheckpointIO -> torch.load: no hook says more
-        fit_for_saving("auto", steps=3, ckpt_path=str(path))
-    readme = (path / "README.txt").read_text()
-    (command,) = [line.strip() for line in readme.splitlines() if line.strip().startswith("lightning-nnscaler ckpt merge ")]
+    with pytest.raises(CheckpointError, match=r"strategy SingleDeviceStrategy cannot load ckpt_path: .* sharded checkpoint") as refused:
+        fit_for_saving("auto", steps=3, ckpt_path=str(path))  # the install's callbacks_factory entry point says so
+    (command,) = [part.strip() for part in str(refused.value).split(": ") if part.strip().startswith("lightning-nnscaler ckpt merge ")]
+    assert "lightning-nnscaler ckpt merge " in (path / "README.txt").read_text()
     merged = subprocess.run(shlex.split(command), cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert merged.returncode == 0, merged.stderr
     resumed = fit_for_saving("auto", steps=3, ckpt_path=str(tmp_path / "epoch=0-step=2-merged.ckpt"))

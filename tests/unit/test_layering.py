@@ -26,6 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"ir"},
     "verify": {"ir"},
     "checkpoint": {"ir"},
+    "checkpoint_hint": {"checkpoint"},
     "logged_values": {"ir", "capture", "plans"},
     "explain": {"ir", "materialize", "plans"},
     "parallelize": {"ir", "capture", "plans", "schedules", "materialize", "codegen", "runtime", "verify", "draw", "explain", "logged_values", "sim"},

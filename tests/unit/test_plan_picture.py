@@ -1,5 +1,6 @@
 """``plan.draw``: the picture's timeline is the simulator's recorded step, span for span, and its bars
-add up to the predicted per-rank figures that ``explain(spec)`` and ``lightning-nnscaler plan`` print."""
+add up to the predicted per-rank figures that ``explain(spec)`` and ``lightning-nnscaler plan`` print; its
+title fits in the figure and its action bars are labelled."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import lightning_nnscaler as lnn
-from lightning_nnscaler.draw import LABELLED_KINDS, timeline_bars
+from lightning_nnscaler.draw import LABELLED_KINDS, plan_figure, timeline_bars
 from lightning_nnscaler.models.gpt import GPT, GPTConfig
 from lightning_nnscaler.sim import predict
 
@@ -49,3 +50,24 @@ def test_the_pictures_timeline_is_the_simulated_step(model: GPT, recipe: str, pa
         labels = list(dict.fromkeys(bar.label for bar in rank_bars if bar.kind in LABELLED_KINDS and bar.label != "prologue"))
         assert labels == [str(action) for action in plan.pipeline.actions(rank) if action.kind.is_compute]
     assert any(bar.kind == "idle" for rank_bars in bars for bar in rank_bars)  # the bubble
+
+
+def test_the_title_fits_in_the_picture_and_the_actions_are_labelled(model: GPT) -> None:
+    plan = lnn.parallelize(model, model.example_batch(8, torch.Generator().manual_seed(0)), "1f1b", 4, step="training_step", microbatches=4)
+    plan.params["spec"] = "/a/long/folder/of/hardware/specs/" * 6 + "h100.yaml"  # a title longer than the figure is wide
+    figure = plan_figure(plan, "a100")
+    try:
+        figure.canvas.draw()
+        title = figure.get_suptitle()
+        assert "\n" in title and title.startswith(f"plan {plan.plan_hash[:12]}: recipe 1f1b microbatches=4")
+        box, page = figure._suptitle.get_window_extent(), figure.bbox
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1
+        timeline = figure.axes[1]
+        labels = [text.get_text() for text in timeline.texts if text.get_text() != "prologue"]  # the ops before the schedule's
+        actions = [str(action) for rank in range(4) for action in plan.pipeline.actions(rank) if action.kind.is_compute]
+        assert len(labels) == len(set(labels)) and set(labels) <= set(actions)
+        assert len(labels) >= 0.75 * len(actions), f"{len(labels)} of {len(actions)} actions labelled"  # all of them fit today
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(figure)
