@@ -5,12 +5,18 @@ error is published to the others, and a rank whose collective then fails raises 
 naming the first failing rank and its error. Rank 0, the launching process, exits last, so its
 output ends with that line. Lightning's child-process watcher would SIGKILL rank 0 within 5 s of a
 child's failure, maybe before it reports; this launcher's watcher gives rank 0 ``REPORT_GRACE_S``
-seconds first.
+seconds first. When rank 0's script ends, it waits (up to ``CHILD_EXIT_WAIT_S``) for the other ranks of
+its node to end and exits with status 1, naming them, when one ended with an error or by a signal (the
+kernel's OOM killer's SIGKILL, after the last collective), so that such a run never exits 0.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import signal
+import subprocess
+import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -21,6 +27,37 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _set_num_th
 from lightning_nnscaler.runtime.failures import PeerRankFailed, report_failure
 
 REPORT_GRACE_S = 10.0  # rank 0's time to report a child's failure before the watcher kills it
+CHILD_EXIT_WAIT_S = 60.0  # how long rank 0, done, waits for the other ranks of its node to end
+
+
+def failed_children(procs: list[subprocess.Popen], timeout: float = CHILD_EXIT_WAIT_S) -> list[str]:
+    """Wait for the launched ranks ``procs`` (local ranks 1, 2, ...) to end; each that exited non-zero or by a
+    signal, and how."""
+    deadline = time.monotonic() + timeout
+    failed = []
+    for local_rank, process in enumerate(procs, start=1):
+        try:
+            code = process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            continue  # still ending; nothing known against it
+        if code < 0:
+            failed.append(f"local rank {local_rank} (pid {process.pid}) was killed by {signal.Signals(-code).name}")
+        elif code > 0:
+            failed.append(f"local rank {local_rank} (pid {process.pid}) exited with status {code}")
+    return failed
+
+
+def exit_non_zero_if_a_child_failed(procs: list[subprocess.Popen]) -> None:
+    """At the end of rank 0's script (``atexit``): exit with status 1, naming them, if other ranks of this node failed."""
+    failed = failed_children(procs)
+    if failed:
+        print(
+            f"ChildRankFailed: {'; '.join(failed)} (a SIGKILL, often the kernel's out-of-memory killer: see `dmesg`); "
+            "this run's results may be incomplete",
+            file=sys.stderr, flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(1)
 
 
 def run_reporting(rank: Callable[[], int], function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -55,8 +92,9 @@ class ReportingScriptLauncher(_SubprocessScriptLauncher):
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
             _GracefulChildObserver(child_processes=self.procs, main_pid=os.getpid()).start()
+            atexit.register(exit_non_zero_if_a_child_failed, self.procs)
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return run_reporting(self.cluster_environment.global_rank, function, *args, **kwargs)
 
 
-__all__ = ["PeerRankFailed", "ReportingScriptLauncher", "run_reporting"]
+__all__ = ["PeerRankFailed", "ReportingScriptLauncher", "exit_non_zero_if_a_child_failed", "failed_children", "run_reporting"]

@@ -8,6 +8,9 @@ its per-step losses, global rank and world size to OUTPUT_DIR/node{NODE_RANK}.js
 ``python strategy_scripts.py rank_raises TIMEOUT_S``: as ``rank_dies``, but rank 1 raises
 ``ValueError("boom from rank 1")`` at step ``DEATH_STEP`` (a bug on one rank), on a small model.
 
+``python strategy_scripts.py rank_killed_at_the_end TIMEOUT_S``: a 2-device fit whose rank 1 is SIGKILLed in
+``teardown``, after the last collective; the run must exit non-zero all the same.
+
 ``python strategy_scripts.py rank_dies TIMEOUT_S DEATH_FILE``: ``strategy="nnscaler"`` on 2 devices
 (Lightning's script launcher starts rank 1), and rank 1 writes the time to DEATH_FILE and kills itself
 with SIGKILL at step ``DEATH_STEP``; the run must fail rather than hang (collectives time out after
@@ -102,6 +105,30 @@ def rank_dies(timeout: float, death_file: str) -> None:
     trainer.fit(build_model(), train)
 
 
+class DieAtTeardown(Callback):
+    """At the very end of the fit, after its last collective, ``rank`` kills itself with SIGKILL (as the OOM killer would)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if trainer.global_rank == self.rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rank_killed_at_the_end(timeout: float) -> None:
+    """A 2-device fit of a small model whose rank 1 is SIGKILLed at teardown, after the last step."""
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    samples = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=generator), torch.randn(32, 1, generator=generator))
+    trainer = L.Trainer(
+        strategy=lnn.NnScalerStrategy(timeout=timeout), accelerator="cpu", devices=2, max_steps=3, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[DieAtTeardown(rank=1)],
+    )
+    trainer.fit(TinyRegressor(), torch.utils.data.DataLoader(samples, batch_size=4))
+    print("fit returned")
+
+
 def rank_raises(timeout: float) -> None:
     """Train a small model on 2 devices until rank 1 raises ``ValueError("boom from rank 1")`` at step ``DEATH_STEP``."""
     torch.set_num_threads(1)
@@ -123,5 +150,7 @@ if __name__ == "__main__":
         rank_dies(float(arguments[0]), arguments[1])
     elif command == "rank_raises":
         rank_raises(float(arguments[0]))
+    elif command == "rank_killed_at_the_end":
+        rank_killed_at_the_end(float(arguments[0]))
     else:
         raise SystemExit(f"unknown command {command!r}: use two_node OUTPUT_DIR, rank_dies TIMEOUT_S DEATH_FILE or rank_raises TIMEOUT_S")

@@ -67,3 +67,23 @@ def test_a_rank_that_raises_is_named_with_its_error_in_the_last_lines(tmp_path: 
     # Rank 0, the launching process, fails last: on the collective rank 1 left, naming rank 1 and its error.
     assert re.search(r"PeerRankFailed: rank 0 stopped: waiting for rank 1, which failed: ValueError: boom from rank 1 \(in RaiseAtStep", last_lines), text[-3000:]
     assert text.count("ValueError: boom from rank 1") == 2, text  # rank 1's own traceback, and rank 0's last line
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_killed_after_the_last_step_makes_the_run_fail(tmp_path: Path) -> None:
+    log = tmp_path / "run.log"
+    with open(log, "w") as output:
+        run = subprocess.Popen(
+            [sys.executable, str(SCRIPT), "rank_killed_at_the_end", str(COLLECTIVE_TIMEOUT_S)],
+            cwd=tmp_path, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        return_code = run.wait(timeout=240)
+        wait_until_gone(run.pid, timeout=EXIT_WITHIN_S)
+    finally:
+        kill_group(run.pid)
+    text = log.read_text()
+    assert return_code != 0, text[-3000:]
+    # Rank 0 names the dead rank as its script ends, or the launcher's observer killed rank 0 on seeing it die first.
+    named = re.search(r"ChildRankFailed: local rank 1 \(pid \d+\) was killed by SIGKILL", text)
+    assert named or return_code == -signal.SIGKILL, text[-3000:]
