@@ -8,6 +8,8 @@ import torch
 
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.interpret import run_graph
+from lightning_nnscaler.ir.rules.batch_norm import BATCH_DIM, per_piece_statistics
+from lightning_nnscaler.primitives.trans import op_trans
 
 
 class EquivalenceError(AssertionError):
@@ -48,6 +50,22 @@ def evaluate(graph: Graph, inputs: dict[str, torch.Tensor], seed: int = 0, backw
         torch.stack(seeds).sum().backward()
     gradients = {name: leaf.grad for name, leaf in leaves.items() if leaf.requires_grad and leaf.grad is not None}
     return Evaluation({name: value.detach() for name, value in outputs.items()}, gradients)
+
+
+def replica_reference(graph: Graph, replicas: int) -> Graph:
+    """The single-device reference of a plan with ``replicas`` data-parallel replicas: ``graph`` with each op
+    whose statistics are per piece of the batch (training-mode BatchNorm) cut into one piece per replica.
+
+    Such ops normalize each replica's rows with that replica's statistics, as ddp does; every other op
+    is as one device runs it, so the oracle stays "equal to one device", with ddp's statistics.
+    """
+    cut = [op for op in graph.ops if per_piece_statistics(op) and op.annotation and BATCH_DIM in op.annotation]
+    if replicas <= 1 or not cut:
+        return graph
+    reference = graph.copy()
+    for op in cut:
+        op_trans(reference, op.name, BATCH_DIM, replicas)
+    return reference
 
 
 def assert_equivalent(reference: Graph, plan: Graph, inputs: dict[str, torch.Tensor], *, rtol: float = 1e-5, atol: float = 1e-6) -> None:

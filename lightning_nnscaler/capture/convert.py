@@ -15,6 +15,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from lightning_nnscaler.capture.packed import FlattenedLinear, HeadView, PackedProjection, flattened_linears, head_views, packed_projections
 from lightning_nnscaler.capture.random_ops import RANDOM_HANDLERS
 from lightning_nnscaler.ir.rules import annotate_op
+from lightning_nnscaler.ir.rules.batch_norm import BATCH_NORM, FUNCTIONAL_BATCH_NORM
 from lightning_nnscaler.ir.rules.networks import POINTWISE_LOSSES
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import Op
@@ -50,6 +51,9 @@ class _Converter:
         self.view_bases: dict[fx.Node, fx.Node] = {}
         self.rewrites: dict[fx.Node, PackedProjection | HeadView | FlattenedLinear] = {}
         self.skipped: set[fx.Node] = set()
+        self.input_names: dict[fx.Node, str] = {}
+        self.alias_of: dict[fx.Node, fx.Node] = {}
+        """The result of an in-place op -> the tensor it changed (``ema.mul_(0.9).add_(x)`` adds to ``ema``)."""
 
     def unique(self, name: str, taken: Any) -> str:
         candidate, index = name, 1
@@ -73,7 +77,19 @@ class _Converter:
                 self.call(node, self.exported.graph_module, no_grad=False)
             elif node.op == "output":
                 self.output(node, signature)
+        self.record_buffer_updates(specs)
         return self.graph
+
+    def record_buffer_updates(self, specs: dict[str, Any]) -> None:
+        """Each buffer the step wrote in place, with the tensor holding its last value (``Graph.buffer_updates``)."""
+        for node in self.exported.graph.nodes:
+            if node.op != "placeholder" or specs[node.name].kind != InputKind.BUFFER:
+                continue
+            value = self.values[node]
+            if isinstance(value, VTensor) and value.name != self.input_names[node]:
+                if not value.is_full:
+                    raise CaptureError(f"buffer {specs[node.name].target!r} is written as a box of {value.name!r}; write it as a whole tensor")
+                self.graph.buffer_updates[self.input_names[node]] = value.name
 
     def plan_rewrites(self, parameters: set[fx.Node]) -> None:
         """Find the packed q/k/v projections and ``B·H`` head views to capture by heads, and the linears over
@@ -127,12 +143,13 @@ class _Converter:
             self.graph.constant_values[piece.name] = self.exported.constants[spec.target]
         self.graph.inputs.append(piece.name)
         self.values[node] = piece
+        self.input_names[node] = piece.name
 
     def output(self, node: fx.Node, signature: Any) -> None:
         returned = node.args[0]
         for spec, value in zip(signature.output_specs, returned):
             if spec.kind != OutputKind.USER_OUTPUT:
-                continue  # buffer mutations (e.g. BatchNorm running stats) are not replayed
+                continue  # a buffer mutation is recorded from its in-place ops (``record_buffer_updates``)
             piece = self.values.get(value) if isinstance(value, fx.Node) else None
             if not isinstance(piece, VTensor):
                 raise CaptureError(f"the traced function returns {value!r}; only tensors can be outputs")
@@ -215,13 +232,17 @@ class _Converter:
             raise CaptureError(f"op {node.name!r} ({node.target}) mutates a tensor in place; write it out of place")
         new_value = self.emit(node.name, str(functional), args, kwargs, node.meta["val"], no_grad)
         self.values[node] = new_value
+        self.alias_of[node] = mutated
         self.write_back(node, mutated, new_value, no_grad)
 
     def write_back(self, mutation: fx.Node, target: fx.Node, new_value: VTensor, no_grad: bool, updated_view: fx.Node | None = None) -> None:
-        if target.op == "placeholder" and self.graph.tensors[self.values[target].name].role != "buffer":
+        if target.op == "placeholder" and self.graph.tensors[self.input_names[target]].role != "buffer":
             raise CaptureError(f"op {mutation.name!r} ({mutation.target}) changes graph input {target.name!r} in place; write it out of place")
         self._refuse_stale_views(mutation, target, updated_view)
         self.values[target] = new_value
+        if target in self.alias_of:  # an in-place op's result is the tensor it changed
+            self.write_back(mutation, self.alias_of[target], new_value, no_grad, updated_view)
+            return
         base = self.view_bases.get(target)
         if base is None:
             return  # buffer updates (e.g. running statistics) stay local to the step
@@ -249,16 +270,19 @@ def _rows(piece: VTensor, rows: tuple[int, int]) -> VTensor:
 
 
 def _decompose_parameter_split(converter: _Converter, node: fx.Node, args: Any, kwargs: dict, no_grad: bool) -> bool:
-    """A split of a parameter's rows (``w_q, w_kv = in_proj_weight.split([E, 2E])``) is its boxes: no op."""
+    """A split of a parameter (``w_q, w_kv = in_proj_weight.split([E, 2E])``; a packed ``Conv1D`` weight's
+    columns, ``capture.packed_qkv``) is its boxes: no op."""
     source = args[0]
     if not isinstance(source, VTensor) or source.tensor.role != "parameter" or not source.is_full:
         return False
-    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-    if int(dim) % len(source.shape) != 0:
-        return False
-    sizes = args[1] if isinstance(args[1], (list, tuple)) else [min(int(args[1]), source.shape[0] - start) for start in range(0, source.shape[0], int(args[1]))]
+    dim = int(args[2] if len(args) > 2 else kwargs.get("dim", 0)) % len(source.shape)
+    length = source.shape[dim]
+    sizes = args[1] if isinstance(args[1], (list, tuple)) else [min(int(args[1]), length - start) for start in range(0, length, int(args[1]))]
     starts = [sum(sizes[:index]) for index in range(len(sizes))]
-    converter.values[node] = tuple(_rows(source, (start, start + int(size))) for start, size in zip(starts, sizes))
+    ranges = source.index.ranges
+    converter.values[node] = tuple(
+        replace(source, index=IndexMask(ranges[:dim] + ((start, start + int(size)),) + ranges[dim + 1 :])) for start, size in zip(starts, sizes)
+    )
     return True
 
 
@@ -377,7 +401,25 @@ def _decompose_template_factory(converter: _Converter, node: fx.Node, args: Any,
     return True
 
 
+def _decompose_batch_norm(converter: _Converter, node: fx.Node, args: Any, kwargs: dict, no_grad: bool) -> bool:
+    """A training-mode ``batch_norm`` that updates running statistics as its functional form, whose new
+    running mean and variance are outputs (written back to the buffers after the step; ``ir.rules.batch_norm``)."""
+    names = ["input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps"]
+    bound = {**dict(zip(names, args)), **kwargs}
+    statistics = [node.args[3] if len(node.args) > 3 else node.kwargs.get("running_mean"), node.args[4] if len(node.args) > 4 else node.kwargs.get("running_var")]
+    if not bound.get("training") or not all(isinstance(item, fx.Node) for item in statistics):
+        return False
+    value, channels = node.meta["val"], statistics[0].meta["val"]
+    arguments = [bound[name] for name in names]
+    outputs = converter.emit(node.name, FUNCTIONAL_BATCH_NORM, arguments, {}, (value, channels, channels, channels, channels), no_grad)
+    converter.values[node] = outputs[0]
+    for statistic, new_value in zip(statistics, outputs[3:]):
+        converter.write_back(node, statistic, new_value, no_grad=True)
+    return True
+
+
 _DECOMPOSITIONS = {
+    BATCH_NORM: _decompose_batch_norm,
     "aten.split_with_sizes.default": _decompose_parameter_split,
     "aten.split.Tensor": _decompose_parameter_split,
     **dict.fromkeys(_FACTORY_OF_TEMPLATE, _decompose_template_factory),

@@ -122,10 +122,10 @@ def _value_tables(program: Program, rank_program: RankProgram) -> list[str]:
     them); none when the graph outputs the loss alone. The runtime adds the counted pieces up over the ranks."""
     shapes = {
         output.name: output.piece.tensor.shape for each in program.ranks for output in each.outputs
-        if program.loss is not None and output.name != program.loss
+        if program.loss is not None and output.name != program.loss and output.name not in program.buffer_updates
     }
     if not shapes:
-        return []
+        return _buffer_table(program, rank_program)
     lines = ["VALUES = {  # graph outputs summed over the ranks after the step (logged values): whole shape"]
     lines += [f"    {name!r}: {shape!r}," for name, shape in sorted(shapes.items())]
     lines.append("}")
@@ -133,6 +133,19 @@ def _value_tables(program: Program, rank_program: RankProgram) -> list[str]:
     for output in rank_program.outputs:
         if output.name in shapes:
             lines.append(f"    ({output.name!r}, {output.var!r}, {tuple(output.piece.index.ranges)!r}, {output.seed!r}, {segment_of(output)!r}),")
+    lines.append("]")
+    return lines + _buffer_table(program, rank_program)
+
+
+def _buffer_table(program: Program, rank_program: RankProgram) -> list[str]:
+    """``BUFFER_PIECES``: this rank's pieces of the buffers' new values, written into its own buffer boxes after the step."""
+    pieces = [output for output in rank_program.outputs if output.name in program.buffer_updates]
+    if not pieces:
+        return []
+    lines = ["BUFFER_PIECES = [  # (new value, variable, box, buffer state_dict key, segment)"]
+    for output in pieces:
+        box = tuple(output.piece.index.ranges)
+        lines.append(f"    ({output.name!r}, {output.var!r}, {box!r}, {program.buffer_updates[output.name]!r}, {segment_of(output)!r}),")
     lines.append("]")
     return lines
 

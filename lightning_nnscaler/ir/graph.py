@@ -32,6 +32,8 @@ class Graph:
         outputs: Names of the tensors the graph returns.
         order_edges: Happens-before edges ``(before, after)`` between op names, from ``op_order``.
         constant_values: Values of lifted constant tensors (kept out of the text form).
+        buffer_updates: Buffers the step writes (``self.ema.mul_(0.9)``, BatchNorm's running statistics):
+            buffer input name -> the tensor holding its new value, written back after the step.
     """
 
     def __init__(
@@ -42,12 +44,14 @@ class Graph:
         outputs: list[str] | None = None,
         order_edges: list[tuple[str, str]] | None = None,
         constant_values: dict[str, torch.Tensor] | None = None,
+        buffer_updates: dict[str, str] | None = None,
     ) -> None:
         self.tensors: dict[str, PTensor] = tensors if tensors is not None else {}
         self.inputs: list[str] = inputs if inputs is not None else []
         self.outputs: list[str] = outputs if outputs is not None else []
         self.order_edges: list[tuple[str, str]] = order_edges if order_edges is not None else []
         self.constant_values: dict[str, torch.Tensor] = constant_values if constant_values is not None else {}
+        self.buffer_updates: dict[str, str] = buffer_updates if buffer_updates is not None else {}
         self.ops = ops
 
     @property
@@ -132,6 +136,7 @@ class Graph:
             outputs=list(self.outputs),
             order_edges=list(self.order_edges),
             constant_values=copy.copy(self.constant_values),
+            buffer_updates=dict(self.buffer_updates),
         )
 
     def take_contents(self, other: Graph) -> None:

@@ -120,7 +120,8 @@ class _Builder:
             program.actions.sort(key=_action_order)
             if not self.pipelined:  # segments keep their actions; the prologue already runs first
                 issue_sends_early(program, ordered_ops)
-        return Program(len(self.programs), self.programs, self.gradient_groups(), self.graph.outputs[0] if self.graph.outputs else None)
+        updates = {new: self.graph.tensors[buffer].state_key for buffer, new in self.graph.buffer_updates.items()}
+        return Program(len(self.programs), self.programs, self.gradient_groups(), self.graph.outputs[0] if self.graph.outputs else None, updates)
 
     # --- graph inputs -------------------------------------------------------------------------
 
@@ -380,7 +381,7 @@ class _Builder:
             )
 
     def collect_outputs(self) -> None:
-        for name in self.graph.outputs:
+        for name in [*self.graph.outputs, *self.graph.buffer_updates.values()]:
             seen: set[tuple] = set()
             for piece, rank, var, _ in sorted(self.written[name], key=lambda entry: entry[1]):
                 key = (piece.index, piece.value)

@@ -184,6 +184,9 @@ class Program:
     gradient_groups: list[GradientGroup]
     loss: str | None = None
     """The graph output backward starts from (the graph's first output); the others are values summed over the ranks."""
+    buffer_updates: dict[str, str] = field(default_factory=dict)
+    """New buffer values (``Graph.buffer_updates``): tensor name -> the buffer's state_dict key. Each rank writes
+    its own pieces into the buffer boxes it holds after the step (never summed: per replica, as under ddp)."""
 
     @functools.cached_property
     def pipelined(self) -> bool:

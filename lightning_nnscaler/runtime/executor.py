@@ -106,15 +106,23 @@ class RankExecutor:
         self.held: dict[str, torch.Tensor] = {}
         self.input_boxes: dict[str, tuple[str, Box]] = {}
         self.shards: dict[str, Shard] = {}
+        self.constant_vars: dict[str, list[str]] = {}
         for var, (name, state_key, box, role) in module.HELD.items():
             if role == "input":  # rows counted from the first row this rank's replica loads
                 offset = (input_offsets or {}).get(name, 0)
                 self.input_boxes[var] = (name, ((box[0][0] - offset, box[0][1] - offset), *box[1:]) if offset else box)
             elif role == "constant":
                 self.held[var] = constants[name][region(box)].to(self.device)
+                self.constant_vars.setdefault(name, []).append(var)
             else:
                 shard = piece_of(PieceLocation(state_key, box), role)
                 self.held[var], self.shards[var] = shard.tensor, shard
+
+    def set_constants(self, values: dict[str, int | float]) -> None:
+        """Set the graph constants named in ``values`` (the per-step quantities a step's lifted arithmetic reads)."""
+        for name, value in values.items():
+            for var in self.constant_vars.get(name, ()):
+                self.held[var].fill_(value)
 
     def sharing_pieces(
         self, module: ModuleType, constants: dict[str, torch.Tensor], input_offsets: dict[str, int] | None = None
@@ -227,10 +235,24 @@ class RankExecutor:
             before_last_backward=(lambda: self.reducer.before_backward(reduce_gradients)) if backward else None,
         )
         self.executed_actions = run.executed
+        if backward:
+            self._write_buffers(run.buffer_values)
         self.communicator.wait_sends()
         if backward:
             self.reducer.after_backward()
         return (loss_sum[0] if overlapped else self._start_loss_sum(run.seeds, run.values)).wait()
+
+    def _write_buffers(self, values: list[tuple[str, Box, torch.Tensor]]) -> None:
+        """Write the step's new buffer values (``BUFFER_PIECES``) into the buffer boxes this rank holds: each
+        rank keeps its own replica's values, as each ddp rank updates its own copy from its own rows."""
+        if not values:
+            return
+        held = [shard for shard in self.shards.values() if not isinstance(shard.tensor, torch.nn.Parameter)]
+        with torch.no_grad():
+            for key, box, value in values:
+                for shard in held:
+                    if shard.location.state_key == key:
+                        _copy_overlap(shard.tensor, shard.location.box, value, box)
 
     def _start_loss_sum(self, seeds: list[torch.Tensor], values: list[tuple[str, Box, torch.Tensor]] = ()) -> AsyncHandle:
         """Start summing every rank's seeded (value-part or whole) scalar loss pieces; ``.wait()`` gives the loss.
@@ -297,6 +319,16 @@ def _piece(location: PieceLocation, role: str, source: torch.Tensor, device: tor
     if role == "parameter" and source.requires_grad:
         piece = torch.nn.Parameter(piece)
     return Shard(location, piece)
+
+
+def _copy_overlap(target: torch.Tensor, target_box: Box, source: torch.Tensor, source_box: Box) -> None:
+    """Copy the elements ``source`` (box ``source_box`` of a tensor) shares with ``target`` (box ``target_box``)."""
+    common = [(max(a[0], b[0]), min(a[1], b[1])) for a, b in zip(target_box, source_box)]
+    if any(start >= stop for start, stop in common):
+        return
+    into = tuple(slice(start - low, stop - low) for (start, stop), (low, _) in zip(common, target_box))
+    out_of = tuple(slice(start - low, stop - low) for (start, stop), (low, _) in zip(common, source_box))
+    target[into].copy_(source[out_of])
 
 
 def merge_shards(per_rank: list[dict[str, Shard]], shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:

@@ -79,6 +79,8 @@ class PipelineRun:
     seeds: list[torch.Tensor] = field(default_factory=list)
     values: list[tuple[str, tuple, torch.Tensor]] = field(default_factory=list)
     """Counted pieces of the graph outputs besides the loss (``VALUE_PIECES``): ``(graph output, box, value)``."""
+    buffer_values: list[tuple[str, tuple, torch.Tensor]] = field(default_factory=list)
+    """This rank's pieces of the buffers' new values (``BUFFER_PIECES``): ``(state_dict key, box, value)``."""
     with_backward: set[tuple[int, int]] = field(default_factory=set)
     executed: list[tuple[str, float, float]] = field(default_factory=list)
     """``(action, start, end)`` in ``time.perf_counter`` seconds, for each action run (when ``trace``)."""
@@ -109,6 +111,9 @@ class PipelineRun:
         self.values = [
             (name, box, self.shared[var]) for name, var, box, counted, segment in getattr(self.module, "VALUE_PIECES", ())
             if counted and tuple(segment) == PROLOGUE
+        ]
+        self.buffer_values = [
+            (key, box, self.shared[var]) for _, var, box, key, segment in getattr(self.module, "BUFFER_PIECES", ()) if tuple(segment) == PROLOGUE
         ]
         actions = self.actions(backward)
         self.with_backward = {(stage, microbatch) for kind, stage, microbatch in actions if kind != "F"}
@@ -163,6 +168,10 @@ class PipelineRun:
         self.values += [
             (name, box, outputs[name].detach()) for name, _, box, counted, value_segment in getattr(self.module, "VALUE_PIECES", ())
             if counted and tuple(value_segment) == segment
+        ]
+        self.buffer_values += [
+            (key, box, outputs[name].detach()) for name, _, box, key, buffer_segment in getattr(self.module, "BUFFER_PIECES", ())
+            if tuple(buffer_segment) == segment
         ]
         if backward:
             self.stash[segment] = _Stash(received, sent, seeds, token)

@@ -18,10 +18,11 @@ from collections import defaultdict
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule
 from torch import nn
 
-from lightning_nnscaler.ir.box import PieceLocation
+from lightning_nnscaler.ir.box import PieceLocation, full_box
 from lightning_nnscaler.runtime.executor import RankExecutor
 
 
@@ -173,3 +174,16 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, replicas
     for parameter in with_grad:
         parameter.grad.detach().mul_(coefficient.to(parameter.grad.dtype))
     return total
+
+
+def broadcast_buffers(executor: RankExecutor, plan: Any, world_size: int) -> None:
+    """Give every rank rank 0's copy of each buffer the step writes, as ddp does before each forward that
+    syncs gradients (``broadcast_buffers=True``, its default, which Lightning keeps): each rank then
+    updates it from its own rows. Only buffers every rank holds whole are broadcast (a collective)."""
+    shapes = {plan.graph.tensors[name].state_key: plan.graph.tensors[name].shape for name in plan.graph.buffer_updates}
+    if world_size == 1 or not shapes:
+        return
+    for shard in executor.shards.values():
+        key = shard.location.state_key
+        if key in shapes and shard.location.chunk is None and shard.location.box == full_box(shapes[key]):
+            dist.broadcast(shard.tensor.data, src=0)
