@@ -7,13 +7,17 @@ Built-in recipes are the files ``lightning_nnscaler/recipes/*.yaml`` (shipped in
     layout: lightning_nnscaler.plans.coshard:coshard_layout
     summary: One or two lines on what the plan does.
     parameters:
-      shards: Pieces per device of each split.
+      shards:
+        doc: Pieces per device of each split.
+        minimum: 1
     constraints:
       - What the model and world_size must satisfy.
 
 A recipe's parameters are declared once, by its function's keyword-only parameters (name, type
-annotation, default); the file documents them. ``layout`` (optional) names the function that says,
-before tracing, how many data-parallel replicas the plan has and into how many pieces it cuts
+annotation, default); the file documents them, each by its doc or by a mapping of ``doc`` and
+``minimum`` (the least value accepted, checked with the type before anything runs: ``microbatches=0``
+is refused naming the key, never read as "the default"). ``layout`` (optional) names the function
+that says, before tracing, how many data-parallel replicas the plan has and into how many pieces it cuts
 attention heads (``plans.layout``). A user's own recipe is registered from Python with
 ``register_recipe`` and is then usable everywhere a catalog name is. A recipe name is a name
 (lower-case letters, digits, ``_``), never a path.
@@ -66,15 +70,23 @@ class ParameterSpec:
     """Value when not given."""
     nullable: bool = False
     """Whether ``None`` is accepted (the annotation is ``T | None``, or the default is ``None``)."""
+    minimum: int | float | None = None
+    """The least value accepted (an int or float parameter), e.g. 1 for a count; None: no bound."""
 
     def check(self, recipe: str, value: Any) -> None:
-        """Raise RecipeError unless ``value`` is of this parameter's type."""
+        """Raise RecipeError unless ``value`` is of this parameter's type and at least its ``minimum``."""
         if value is None and (self.nullable or (not self.required and self.default is None)):
             return
         allowed = _TYPES[self.type]
         if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
             raise RecipeError(
                 f"recipe {recipe!r}: parameter {self.name!r} expects {self.type}, got {type(value).__name__} {value!r}"
+            )
+        if self.minimum is not None and not value >= self.minimum:
+            none = ", or None for its default" if self.nullable or (not self.required and self.default is None) else ""
+            raise RecipeError(
+                f"recipe {recipe!r}: parameter {self.name!r} is {value!r}; it must be {self.type} >= {self.minimum}{none}"
+                + (f" ({self.name}: {self.doc})" if self.doc else "")
             )
 
 
@@ -140,7 +152,7 @@ _LISTENERS: list[Callable[[RecipeSpec], None]] = []
 def register_recipe(
     function: PlanFunction | None = None, *, name: str | None = None, summary: str | None = None,
     parameter_docs: dict[str, str] | None = None, constraints: tuple[str, ...] | list[str] = (),
-    layout: LayoutFunction | None = None, replace: bool = False,
+    layout: LayoutFunction | None = None, replace: bool = False, parameter_minimums: dict[str, float] | None = None,
 ) -> Any:
     """Add a recipe to the catalog; usable as ``@register_recipe`` or ``@register_recipe(name=...)``.
 
@@ -161,6 +173,8 @@ def register_recipe(
             pieces, known before tracing. Default: one replica (every rank loads the same samples;
             always correct).
         replace: Allow replacing a recipe registered earlier under ``name`` (not a built-in).
+        parameter_minimums: The least value each int or float parameter accepts (e.g. ``{"stages": 1}``);
+            a smaller one is refused, naming the parameter, before the recipe runs.
 
     Raises:
         RecipeError: a bad name, a name taken, or a function whose parameters cannot be checked.
@@ -179,7 +193,7 @@ def register_recipe(
         doc_line = (inspect.getdoc(plan_function) or "").strip().splitlines()
         spec = RecipeSpec(
             recipe_name, plan_function, summary or (doc_line[0] if doc_line else recipe_name),
-            _parameters(recipe_name, plan_function, dict(parameter_docs or {}), require_docs=False),
+            _parameters(recipe_name, plan_function, _entries(parameter_docs or {}, parameter_minimums or {}), require_docs=False),
             tuple(constraints), layout or single_replica, "register_recipe",
         )
         _add(spec)
@@ -281,9 +295,16 @@ def _read_built_ins() -> None:
         _REGISTRY.setdefault(path.stem, _read(path))
 
 
-def _parameters(recipe: str, function: PlanFunction, docs: dict[str, str], *, require_docs: bool) -> dict[str, ParameterSpec]:
-    """The recipe's parameters from ``function``'s keyword-only parameters, documented by ``docs``."""
+def _entries(docs: dict[str, str], minimums: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """``register_recipe``'s docs and minimums as the catalog file's parameter entries (``{"doc": ..., "minimum": ...}``)."""
+    return {key: {"doc": docs.get(key, ""), **({"minimum": minimums[key]} if key in minimums else {})} for key in {**docs, **minimums}}
+
+
+def _parameters(recipe: str, function: PlanFunction, entries: dict[str, dict[str, Any]], *, require_docs: bool) -> dict[str, ParameterSpec]:
+    """The recipe's parameters from ``function``'s keyword-only parameters, documented by ``entries``
+    (each a ``doc`` and, optionally, the ``minimum`` value accepted)."""
     keywords = keyword_parameters(function)
+    docs = {key: entry.get("doc") for key, entry in entries.items()}
     unknown = sorted(set(docs) - set(keywords))
     if unknown:
         raise RecipeError(f"recipe {recipe!r}: documents parameter(s) {', '.join(unknown)} that {function.__qualname__} does not take")
@@ -297,7 +318,12 @@ def _parameters(recipe: str, function: PlanFunction, docs: dict[str, str], *, re
             raise RecipeError(f"recipe {recipe!r}: parameter {key!r} of {function.__qualname__} has no doc in the catalog file")
         type_name, nullable = _type_of(recipe, key, hints.get(key))
         required = parameter.default is inspect.Parameter.empty
-        spec = ParameterSpec(key, type_name, " ".join(str(docs.get(key, "")).split()), required, None if required else parameter.default, nullable)
+        minimum = entries.get(key, {}).get("minimum")
+        if minimum is not None and type_name not in ("int", "float"):
+            raise RecipeError(f"recipe {recipe!r}: parameter {key!r} is {type_name}, so it cannot have a minimum ({minimum!r})")
+        spec = ParameterSpec(
+            key, type_name, " ".join(str(docs.get(key) or "").split()), required, None if required else parameter.default, nullable, minimum,
+        )
         if not required:
             spec.check(recipe, spec.default)
         specs[key] = spec
@@ -325,6 +351,20 @@ def _import(path: Path, reference: Any, key: str) -> Any:
         raise RecipeError(f"recipe file {path}: cannot import {key} {reference!r}: {error}") from error
 
 
+def _file_entries(path: Path, parameters: Any) -> dict[str, dict[str, Any]]:
+    """A catalog file's ``parameters``: each name maps to its doc, or to ``{doc: ..., minimum: <number>}``."""
+    expected = "'parameters' maps each parameter name to its doc (a string), or to a mapping of 'doc' (a string) and 'minimum' (a number)"
+    if not isinstance(parameters, dict):
+        raise RecipeError(f"recipe file {path}: {expected}")
+    entries = {key: {"doc": entry} if isinstance(entry, str) else entry for key, entry in parameters.items()}
+    for key, entry in entries.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("doc"), str) or set(entry) - {"doc", "minimum"} or (
+            type(entry.get("minimum", 0)) not in (int, float)
+        ):
+            raise RecipeError(f"recipe file {path}: {expected}, e.g. 'minimum: 1'; parameter {key!r} has {entry!r}")
+    return entries
+
+
 def _read(path: Path) -> RecipeSpec:
     data = yaml.safe_load(path.read_text())
     if not isinstance(data, dict):
@@ -335,11 +375,9 @@ def _read(path: Path) -> RecipeSpec:
     if data["name"] != path.stem:
         raise RecipeError(f"recipe file {path}: name {data['name']!r} must be the file's stem {path.stem!r}")
     _check_name(data["name"])
-    docs = data.get("parameters") or {}
-    if not isinstance(docs, dict) or not all(isinstance(doc, str) for doc in docs.values()):
-        raise RecipeError(f"recipe file {path}: 'parameters' maps each parameter name to its doc (a string)")
+    entries = _file_entries(path, data.get("parameters") or {})
     function = _import(path, data["function"], "function")
     layout = _import(path, data["layout"], "layout") if data.get("layout") else single_replica
     summary = " ".join(str(data["summary"]).split())
-    parameters = _parameters(data["name"], function, docs, require_docs=True)
+    parameters = _parameters(data["name"], function, entries, require_docs=True)
     return RecipeSpec(data["name"], function, summary, parameters, tuple(data.get("constraints") or ()), layout, str(path))

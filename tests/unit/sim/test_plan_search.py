@@ -129,7 +129,7 @@ def test_auto_searches_every_family_by_default(gpt_and_batch) -> None:
     ({"recipes": "dp,megatron"}, r"auto: recipes='dp,megatron' names 'megatron'; the searchable recipes are dp, zero1"),
     ({"recipes": ""}, r"auto: recipes='' names no recipe"),
     ({"memory_limit_gb": -1.0}, r"auto: memory_limit_gb must be a positive number of GB .* got -1.0"),
-    ({"max_pp": 0}, r"auto: max_pp must be a positive int"),
+    ({"max_pp": 0}, r"recipe 'auto': parameter 'max_pp' is 0; it must be int >= 1"),
     ({"spec": "tpu9"}, r"auto: spec='tpu9': no hardware spec 'tpu9'"),
 ])
 def test_a_bad_parameter_names_its_key(gpt_and_batch, params: dict, message: str) -> None:
