@@ -24,7 +24,7 @@ def hybrid(graph: Graph, ctx: PlanContext, *, dp: int, tp: int) -> None:
     replicas = split_batch(graph, dp)  # every op as dp pieces
     for replica in range(dp):
         region = [pieces[replica].name for pieces in replicas]
-        place(graph, tensor_parallel(graph, tp, region, choose), range(replica * tp, (replica + 1) * tp))
+        place(graph, tensor_parallel(graph, tp, region, choose, share_kv_heads=True), range(replica * tp, (replica + 1) * tp))
 
 
 def hybrid_layout(world_size: int, params: dict[str, Any]) -> RecipeLayout:

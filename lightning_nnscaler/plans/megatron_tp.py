@@ -26,6 +26,7 @@ from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.plans.context import PlanContext
 from lightning_nnscaler.plans.layout import DeviceGrid, RecipeLayout
 from lightning_nnscaler.plans.propagate import Choose, Walk, place, propagate
+from lightning_nnscaler.plans.shared_kv import merge_walks, shared_kv_heads, split_shared_heads
 
 LINEAR = "aten.linear.default"
 ADDMM = "aten.addmm.default"
@@ -53,12 +54,26 @@ def tp(graph: Graph, ctx: PlanContext, *, degree: int | None = None) -> None:
 
         hybrid(graph, ctx, dp=ctx.world_size // degree, tp=degree)
         return
-    place(graph, tensor_parallel(graph, degree), range(degree))
+    place(graph, tensor_parallel(graph, degree, share_kv_heads=True), range(degree))
 
 
-def tensor_parallel(graph: Graph, parts: int, ops: Sequence[str] | None = None, choose: Choose | None = None) -> Walk:
-    """Split ``ops`` (default: all) the Megatron way into ``parts`` pieces; nothing is placed."""
-    return propagate(graph, parts, ops=ops, choose=choose or megatron_choice(graph))
+def tensor_parallel(
+    graph: Graph, parts: int, ops: Sequence[str] | None = None, choose: Choose | None = None, *, share_kv_heads: bool = False,
+) -> Walk:
+    """Split ``ops`` (default: all) the Megatron way into ``parts`` pieces; nothing is placed.
+
+    With ``share_kv_heads`` (for one piece per rank, not co-shard's several: copies of one kv head would meet on
+    a rank), grouped-query attention with fewer key/value heads than ``parts`` (a multiple of them) keeps each
+    kv head on ``parts / kv`` ranks (``plans.shared_kv``); the walk's steps then hold those copies as pieces.
+    """
+    choose = choose or megatron_choice(graph)
+    names = list(ops) if ops is not None else [op.name for op in graph.ops]
+    shared = shared_kv_heads(graph, names, parts) if parts > 1 and share_kv_heads else []
+    if not shared:
+        return propagate(graph, parts, ops=names, choose=choose)
+    on_paths = {name for heads in shared for name in heads.ops}
+    walk = propagate(graph, parts, ops=[name for name in names if name not in on_paths], choose=choose)
+    return merge_walks(names, walk, split_shared_heads(graph, shared, parts, choose))
 
 
 def megatron_choice(graph: Graph) -> Choose:

@@ -176,7 +176,7 @@ def _coshard(coshard_stages: str | None, shards: int) -> dict[str, Any]:
 
 def pipeline_layout(world_size: int, params: dict[str, Any]) -> RecipeLayout:
     """``world_size / stages`` data-parallel replicas of a ``stages``-rank pipeline."""
-    stages = params.get("stages") or world_size
+    stages = world_size if params.get("stages") is None else params["stages"]  # 0 is refused, never read as "all"
     if stages < 1 or world_size % stages:
         raise ValueError(f"pipeline: stages ({stages}) must be a positive divisor of world_size ({world_size})")
     return RecipeLayout(DeviceGrid.of(dp=world_size // stages, pp=stages))
@@ -235,8 +235,8 @@ def pipeline(
         raise ValueError(f"{schedule}: layers_per_stage is not supported (its stages are cut by cost)")
     if schedule == "interlaced" and tp != 1:
         raise ValueError(f"interlaced: tp={tp} is not supported (its shared layers are already split over every pipeline rank)")
-    pp = stages or ctx.world_size // ((dp or 1) * tp)
-    dp = dp or ctx.world_size // (pp * tp)
+    pp = stages if stages is not None else ctx.world_size // ((dp or 1) * tp)  # stages=0 is refused below, never read as "all"
+    dp = dp if dp is not None else ctx.world_size // max(pp * tp, 1)
     if min(pp, dp, tp) < 1 or dp * pp * tp != ctx.world_size:
         raise ValueError(f"pipeline: dp ({dp}) × stages ({pp}) × tp ({tp}) must equal world_size ({ctx.world_size})")
     _check_stage_indices(recompute_stages, pp)
@@ -250,12 +250,11 @@ def pipeline(
     batch = _batch_rows(graph)
     if batch % dp:
         raise ValueError(f"pipeline: the batch ({batch} rows) must divide into {dp} data-parallel replicas")
-    microbatches = microbatches or default_microbatches(batch // dp, pp, multiple_of=pp if virtual_stages > 1 else 1)
-    if (batch // dp) % microbatches:
-        raise ValueError(
-            f"pipeline: microbatches ({microbatches}) must divide each replica's batch ({batch // dp} rows); "
-            f"divisors: {[count for count in range(1, batch // dp + 1) if (batch // dp) % count == 0]}"
-        )
+    multiple_of = pp if virtual_stages > 1 else 1
+    chosen = microbatches is None
+    if chosen:
+        microbatches = default_microbatches(batch // dp, pp, multiple_of=multiple_of)
+    check_microbatches(schedule, batch // dp, microbatches, multiple_of, chosen=chosen)
     order = _schedule(schedule, pp, microbatches, virtual_stages)
     validate(lower(order))
     shared = None
@@ -389,12 +388,46 @@ def check_microbatches_split(pieces: list[list[Op]]) -> None:
         read = next((piece.name for piece in copies[0].tensor_inputs if piece.name in split), None)
         if read is not None:
             op = copies[0]
+            fix = (
+                f"Register a dimension annotation for {op.target} (lightning_nnscaler.register_annotation)" if op.annotation is None
+                else f"Its annotation {op.annotation!r} keeps the batch dim of %{read} whole (^); if this call is exact per batch row, "
+                f"register one that lets it split (lightning_nnscaler.register_annotation({op.target!r}))"
+            )
             raise ValueError(
                 f"pipeline: op {op.source_name!r} ({op.target}) cannot be split along the batch, so each microbatch would "
                 f"read every microbatch's rows of %{read}; a pipeline needs every op on the batch's path to split by batch. "
-                f"Register a dimension annotation for {op.target} (lightning_nnscaler.register_annotation), or use a "
-                "recipe without microbatches (dp, tp)"
+                f"{fix}, or use a recipe without microbatches (dp, tp)"
             )
+
+
+def check_microbatches(schedule: str, rows: int, microbatches: int, multiple_of: int = 1, *, chosen: bool = False) -> None:
+    """Raise unless ``microbatches`` (``chosen`` by default, or given) is at least 1, divides a replica's
+    ``rows`` and is a multiple of ``multiple_of`` (interleaved and 3f1b run microbatches in groups of
+    one per pipeline rank).
+
+    Raises:
+        ValueError: naming the replica's batch size, the microbatches and the fixes: a larger batch_size,
+            fewer microbatches (None picks a divisor for each batch) or ``DataLoader(drop_last=True)``
+            when only the last batch is smaller.
+    """
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"{schedule}: microbatches must be an int >= 1, or None for the default, got {microbatches!r}")
+    fits = [count for count in range(1, rows + 1) if rows % count == 0 and count % multiple_of == 0]
+    if microbatches in fits:
+        return
+    batch = f"each replica's batch ({rows} row{'s' * (rows != 1)})"
+    grouped = f" and be a multiple of the {multiple_of} pipeline ranks (microbatches divisible by ranks: one per rank in each group)" if multiple_of > 1 else ""
+    last = "or DataLoader(drop_last=True) if only the last batch is smaller"
+    if chosen:  # the default found no count that fits
+        raise ValueError(
+            f"{schedule}: {batch} cannot be cut into microbatches: they must divide it{grouped}, and no number does. "
+            f"Use a larger batch_size (a multiple of {multiple_of} rows per replica), {last}"
+        )
+    raise ValueError(
+        f"{schedule}: microbatches ({microbatches}) must divide {batch}{grouped}: {f'one of {fits}' if fits else 'no number does'}. "
+        f"Use a larger batch_size (a multiple of {math.lcm(microbatches, multiple_of)} rows per replica), fewer microbatches "
+        f"(or None, which picks one for each batch), {last}"
+    )
 
 
 def default_microbatches(rows: int, stages: int, multiple_of: int = 1) -> int:
@@ -724,7 +757,7 @@ def _split_stages(graph: Graph, tp: int, grid: DeviceGrid, order: Schedule, choo
         parts = tp * pieces_per_rank
         if parts == 1:
             continue
-        walk = tensor_parallel(graph, parts, names, choose)
+        walk = tensor_parallel(graph, parts, names, choose, share_kv_heads=pieces_per_rank == 1)
         for pieces in walk.split:
             for index, piece in enumerate(pieces):
                 op_assign(graph, piece, ranks[index * tp // len(pieces)], segment=segment)

@@ -29,7 +29,7 @@ def sp(graph: Graph, ctx: PlanContext) -> None:
             return megatron(op, offered)
         return offered[0] if offered else sequence_name(op, lengths)
 
-    place(graph, tensor_parallel(graph, ctx.world_size, choose=choose), range(ctx.world_size))
+    place(graph, tensor_parallel(graph, ctx.world_size, choose=choose, share_kv_heads=True), range(ctx.world_size))
 
 
 def sequence_name(op: Op, lengths: set[int]) -> str | None:

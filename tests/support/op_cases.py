@@ -251,7 +251,8 @@ class OpCase:
             tensor = piece.tensor
             if tensor.name not in graph.tensors:
                 floating = tensor.dtype.startswith(("float", "bfloat", "complex"))
-                graph.tensors[tensor.name] = replace(tensor, role="input", state_key=None, requires_grad=floating)
+                # a box of a parameter (a packed projection's part, ``capture.packed_qkv``) is this graph's whole input
+                graph.tensors[tensor.name] = replace(tensor, shape=piece.shape, role="input", state_key=None, requires_grad=floating)
                 graph.inputs.append(tensor.name)
         args, kwargs = self.op.map_tensor_inputs(lambda _, piece: graph.tensors[piece.name].full())
         for output in self.op.outputs:

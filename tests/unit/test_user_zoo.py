@@ -323,6 +323,69 @@ class TwoLosses(L.LightningModule):
         return loss
 
 
+class PyTorchTransformerLM(L.LightningModule):
+    """nn.Transformer (or nn.TransformerDecoder alone) as PyTorch's tutorial calls it: a causal ``tgt_mask`` from
+    ``nn.Transformer.generate_square_subsequent_mask`` and no ``tgt_is_causal`` hint (torch then compares
+    the mask's values with a causal one: ``capture.causal_masks``)."""
+
+    def __init__(self, decoder_only: bool = False) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, HIDDEN)
+        if decoder_only:
+            layer = nn.TransformerDecoderLayer(HIDDEN, HEADS, FFN, dropout=0.0, batch_first=True)
+            self.transformer: nn.Module = nn.TransformerDecoder(layer, num_layers=2)
+        else:
+            self.transformer = nn.Transformer(HIDDEN, HEADS, 1, 1, FFN, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        tgt_mask = nn.Transformer.generate_square_subsequent_mask(tokens.size(1))
+        x = self.embedding(tokens) * math.sqrt(HIDDEN)
+        hidden = self.transformer(x, x, tgt_mask=tgt_mask)  # (source, target) for nn.Transformer, (target, memory) for the decoder
+        loss = F.cross_entropy(self.head(hidden).view(-1, VOCAB), targets.view(-1))
+        self.log("train_loss", loss)
+        return loss
+
+
+def gpt2() -> HuggingFaceLM:
+    """GPT2LMHeadModel from a tiny config: q, k, v packed in one ``c_attn`` (a ``Conv1D``: addmm)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=HEADS, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, attn_implementation="sdpa",
+    )
+    return HuggingFaceLM(GPT2LMHeadModel(config))
+
+
+def qwen2(key_value_heads: int = 2) -> HuggingFaceLM:
+    """Qwen2ForCausalLM from a tiny config: rotary embeddings, grouped-query attention with ``key_value_heads``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2, num_attention_heads=HEADS,
+        num_key_value_heads=key_value_heads, max_position_embeddings=32, attention_dropout=0.0, attn_implementation="sdpa",
+    )
+    return HuggingFaceLM(Qwen2ForCausalLM(config))
+
+
+class TimmConvNeXt(L.LightningModule):
+    """timm's ConvNeXt (``convnext_atto``: depthwise 7 x 7 convs, channels-last LayerNorms) on 32 x 32 images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import timm
+
+        self.model = timm.create_model("convnext_atto", pretrained=False, num_classes=10, drop_path_rate=0.0)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        loss = F.cross_entropy(self.model(images), labels)
+        self.log("train_loss", loss)
+        return loss
+
+
 def images(channels: int, size: int, classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
     """``ROWS`` random images and labels."""
     generator = torch.Generator().manual_seed(1)
@@ -378,10 +441,7 @@ def build(name: str) -> tuple[nn.Module, Any]:
 
 LOGGED = {"convnet": ["train_loss", "train_acc"], "two_losses": ["classification_loss", "reconstruction_loss", "train_loss"]}
 
-PACKED_IN_PROJ = r"q, k, v packed in one in_proj weight, as in nn\.MultiheadAttention"
 REFUSALS: dict[tuple[str, str], tuple[type[Exception], str]] = {
-    # timm packs q, k, v in one qkv linear too: reshape(B, N, 3, heads, head_dim).
-    **{("timm_vit", recipe): (lnn.RecipeError, r"attention modules model\.blocks\.0\.attn, model\.blocks\.1\.attn \(8 heads\): reshape after qkv by dim 'c' of size 3") for recipe in ("tp", "sp", "coshard")},
     # coshard cuts heads into 4 ranks x 2 shards = 8 parts; 4 key/value heads do not divide into 8.
     ("llama_gqa", "coshard"): (lnn.RecipeError, r"module model\.model\.layers\.0\.self_attn: view after k_proj, view after v_proj by dim 'c' of size 4 \(8 parts\)"),
 }
@@ -416,3 +476,95 @@ def test_zoo_module_verifies_or_is_refused_with_a_reason(name: str, recipe: str,
     assert report.world_size == WORLD_SIZE and report.loss == pytest.approx(report.reference_loss, rel=1e-4)
     assert report.parameters_checked == sum(1 for parameter in module.parameters() if parameter.requires_grad)
     assert [logged_name for logged_name, _, _ in plan.logged.logs(report.values, 0)] == LOGGED.get(name, ["train_loss"])
+
+
+def _verified(module: nn.Module, batch: Any, recipe: str, world_size: int) -> lnn.Plan:
+    plan = lnn.parallelize(module, batch, recipe, world_size, step="training_step")
+    report = plan.verify()
+    assert report.world_size == world_size and report.loss == pytest.approx(report.reference_loss, rel=1e-4)
+    assert report.parameters_checked == sum(1 for parameter in module.parameters() if parameter.requires_grad)
+    return plan
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("recipe", ["dp", "tp"])
+@pytest.mark.parametrize("decoder_only", [False, True], ids=["transformer", "decoder"])
+def test_pytorch_transformer_with_a_causal_tgt_mask_verifies(decoder_only: bool, recipe: str, world_size: int) -> None:
+    torch.manual_seed(0)
+    _verified(PyTorchTransformerLM(decoder_only), tokens_and_targets(), recipe, world_size)
+
+
+PIPELINED: dict[str, tuple[Callable[[], nn.Module], Callable[[], Any], list[str]]] = {
+    # cat of an empty key/value cache with the keys (GPT-2, Qwen2), rotary cat along head dims (Qwen2),
+    # the loss's label shift (pad + slice), depthwise convs (ConvNeXt): all split by batch.
+    "gpt2": (gpt2, hf_causal_batch, ["1f1b", "gpipe"]),
+    "qwen2": (qwen2, hf_causal_batch, ["1f1b"]),
+    "timm_convnext": (TimmConvNeXt, lambda: images(3, 32), ["1f1b"]),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("name", "recipe"), [(name, recipe) for name, (_, _, recipes) in PIPELINED.items() for recipe in recipes])
+def test_user_model_pipelines_verify(name: str, recipe: str) -> None:
+    factory, batch, _ = PIPELINED[name]
+    torch.manual_seed(0)
+    module = factory()
+    plan = _verified(module, batch(), recipe, WORLD_SIZE)
+    assert plan.pipeline is not None
+
+
+PACKED_QKV = {
+    # model, its packed projection's weight key and the box of output features part 0 (q) holds on rank 0 at tp 4
+    "nanogpt": ("transformer.h.0.attn.c_attn.weight", 0),
+    "gpt2": ("model.transformer.h.0.attn.c_attn.weight", 1),  # a Conv1D: the weight is (in, out)
+    "timm_vit": ("model.blocks.0.attn.qkv.weight", 0),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", list(PACKED_QKV))
+def test_packed_qkv_is_split_by_heads_under_tp(name: str) -> None:
+    """q, k, v packed in one projection (split(E, dim=2), or reshape(B, N, 3, H, D)): each of 4 ranks holds
+    a quarter of each of q, k and v (2 of 8 heads), three boxes of the one packed weight."""
+    torch.manual_seed(0)
+    module, batch = (gpt2(), hf_causal_batch()) if name == "gpt2" else build(name)
+    plan = _verified(module, batch, "tp", WORLD_SIZE)
+    key, features_dim = PACKED_QKV[name]
+    boxes: dict[int, set[tuple[tuple[int, int], ...]]] = {}
+    for op in plan.planned.ops:
+        for piece in op.tensor_inputs:
+            if piece.tensor.state_key == key:
+                boxes.setdefault(op.device, set()).add(piece.index.ranges)
+    assert sorted(boxes) == list(range(WORLD_SIZE))
+    quarter = HIDDEN // WORLD_SIZE  # 2 heads of 4 features
+    for rank, held in boxes.items():
+        starts = sorted(box[features_dim][0] for box in held)
+        assert starts == [part * HIDDEN + rank * quarter for part in range(3)]
+        assert all(box[features_dim][1] - box[features_dim][0] == quarter and box[1 - features_dim] == (0, HIDDEN) for box in held)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("key_value_heads", "recipe", "params"), [(2, "tp", {}), (1, "hybrid", {"dp": 2, "tp": 2}), (1, "hybrid3d", {"dp": 1, "tp": 2, "pp": 2})],
+)
+def test_grouped_query_attention_keeps_each_kv_head_on_several_ranks(key_value_heads: int, recipe: str, params: dict[str, int]) -> None:
+    """Qwen2 with fewer key/value heads than tensor-parallel ranks: as vLLM does, each kv head lives on
+    tp / kv ranks, the one that rank's query heads read (its rows of k_proj), and the plan verifies."""
+    torch.manual_seed(0)
+    module = qwen2(key_value_heads)
+    plan = lnn.parallelize(module, hf_causal_batch(), recipe, WORLD_SIZE, step="training_step", **params)
+    report = plan.verify()
+    assert report.loss == pytest.approx(report.reference_loss, rel=1e-4)
+    assert report.parameters_checked == sum(1 for parameter in module.parameters() if parameter.requires_grad)
+    tp = params.get("tp", WORLD_SIZE)
+    head_size = HIDDEN // HEADS
+    rows: dict[int, set[tuple[int, int]]] = {}
+    for op in plan.planned.ops:
+        for piece in op.tensor_inputs:
+            if piece.tensor.state_key == "model.model.layers.0.self_attn.k_proj.weight":
+                rows.setdefault(op.device, set()).add(piece.index.ranges[0])
+    assert len(rows) == WORLD_SIZE // params.get("pp", 1)  # hybrid3d: layer 0 lives on the first stage's ranks
+    for rank, held in rows.items():
+        head = (rank % tp) * key_value_heads // tp
+        assert held == {(head * head_size, (head + 1) * head_size)}

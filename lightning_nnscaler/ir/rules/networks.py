@@ -166,13 +166,33 @@ def _pointwise_loss(op: Op) -> str | None:
     return _text(inputs, [[] if reduction == 2 else names])
 
 
-@register_annotation("aten.conv2d.default", "aten.conv1d.default")
-def _convolution(op: Op) -> str | None:
+def _depthwise_groups(piece: Op) -> Op:
+    """A piece of a depthwise conv over some of its channels has one group per channel it holds."""
+    groups = int(argument(piece, 6, "groups", 1))
+    x, weight = piece.tensor_inputs[:2]
+    if groups == 1 or len(x.shape) != len(weight.shape) or groups != x.tensor.shape[1]:
+        return piece
+    if len(piece.args) > 6:
+        return replace(piece, args=piece.args[:6] + (x.shape[1],) + piece.args[7:])
+    return replace(piece, kwargs=tuple((key, x.shape[1] if key == "groups" else value) for key, value in piece.kwargs))
+
+
+@register_annotation("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", rewrite=_depthwise_groups)
+def _convolution(op: Op) -> str:
     x, weight, *bias = op.tensor_inputs
-    groups = op.args[6] if len(op.args) > 6 else op.kwargs_dict.get("groups", 1)
-    if groups != 1:
-        return None
+    groups = int(argument(op, 6, "groups", 1))
     spatial = len(x.shape) - 2
-    inputs = [["n", "c+"] + [f"i{d}^" for d in range(spatial)], ["o", "c+"] + [f"w{d}^" for d in range(spatial)]]
-    inputs += [["o"]] * len(bias)
-    return _text(inputs, [["n", "o"] + [f"j{d}^" for d in range(spatial)]], exact_value_inputs(op, (0, 2) if bias else (0,)))
+    if len(x.shape) != len(weight.shape):
+        return _text([[f"x{d}^" for d in range(len(x.shape))], [f"w{d}^" for d in range(len(weight.shape))]] + [["o^"]] * len(bias),
+                     [[f"y{d}^" for d in range(len(op.outputs[0].shape))]])  # unbatched: nothing to cut
+    window = [f"w{d}^" for d in range(spatial)]
+    if groups == 1:
+        channels_in, channels_out, kernel_in = "c+", "o", "c+"
+    elif groups == x.shape[1] == weight.shape[0]:
+        channels_in = channels_out = "c"  # depthwise (ConvNeXt, MobileNet): channel c reads only channel c
+        kernel_in = "1"
+    else:
+        channels_in, channels_out, kernel_in = "c^", "o^", "k^"  # grouped: the batch still splits
+    inputs = [["n", channels_in] + [f"i{d}^" for d in range(spatial)], [channels_out, kernel_in] + window]
+    inputs += [[channels_out]] * len(bias)
+    return _text(inputs, [["n", channels_out] + [f"j{d}^" for d in range(spatial)]], exact_value_inputs(op, (0, 2) if bias else (0,)))

@@ -170,15 +170,19 @@ def _concatenate(op: Op) -> str:
     shared = [next(fresh) for _ in range(rank)]
     stacking = op.target == "aten.stack.default"
     inputs = []
-    for piece in op.tensor_inputs:
-        if stacking:
+    # torch.cat skips a 1-D empty tensor next to tensors of any rank (Hugging Face's empty key/value caches): nothing to cut.
+    skipped = {position for position, piece in enumerate(op.tensor_inputs) if not stacking and rank > 1 and piece.shape == (0,)}
+    for position, piece in enumerate(op.tensor_inputs):
+        if position in skipped:
+            inputs.append([next(fresh) + "^"])
+        elif stacking:
             inputs.append(shared[:dim] + shared[dim + 1 :])
         else:
             inputs.append(shared[:dim] + [next(fresh) + "^"] + shared[dim + 1 :])
     out = shared[:dim] + [("" if stacking else next(fresh)) + ("" if stacking else "^")] + shared[dim + 1 :]
     if stacking:
         out[dim] = str(len(inputs))
-    return _text(inputs, [out], exact_value_inputs(op, tuple(range(len(inputs)))))
+    return _text(inputs, [out], exact_value_inputs(op, tuple(position for position in range(len(inputs)) if position not in skipped)))
 
 
 @register_annotation("aten.pad.default", "aten.constant_pad_nd.default")
