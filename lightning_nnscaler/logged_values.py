@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from lightning_nnscaler.capture.logs import LogCall
+from lightning_nnscaler.capture.metrics import MetricCall
 from lightning_nnscaler.capture.trace import needed_ops
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.interpret import call_op
@@ -85,11 +86,15 @@ class LoggedValues:
     """Batch-independent tensor (by name) -> the graph output computing it whole."""
     tail: list[Op] = field(default_factory=list)
     """The ops from the frontier to the logged tensors, in order, with one replica's shapes."""
+    metric_calls: list[MetricCall] = field(default_factory=list)
+    """The torchmetrics calls the step makes, replayed after it with each replica's values (``capture.metrics``)."""
+    per_row: dict[str, tuple[int, torch.dtype]] = field(default_factory=dict)
+    """A metric's argument with one row per sample (by name) -> its rows' dim and dtype: a graph output, whole."""
 
     @property
     def outputs(self) -> list[str]:
         """The graph outputs after the loss that the runtime sums over ranks for this."""
-        names = [sums.output for sums in self.frontier.values()] + list(self.shared.values())
+        names = [sums.output for sums in self.frontier.values()] + list(self.shared.values()) + list(self.per_row)
         return list(dict.fromkeys(names))
 
     def per_replica(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -104,19 +109,36 @@ class LoggedValues:
         shared = {name: outputs[output].detach() for name, output in self.shared.items()}
         for op in self.tail:
             values[op.outputs[0].name] = _run_per_replica(op, values, shared, self.replicas)
+        for name, (dim, dtype) in self.per_row.items():  # each replica's rows, a block of the whole batch's
+            values[name] = torch.stack(outputs[name].detach().to(dtype).chunk(self.replicas, dim))
         return {**shared, **values}
 
-    def logs(self, outputs: dict[str, torch.Tensor], replica: int) -> list[tuple[str, Any, dict[str, Any]]]:
-        """``(name, value, options)`` of every log call, with replica ``replica``'s values, in call order."""
+    def logs(self, outputs: dict[str, torch.Tensor], replica: int, module: torch.nn.Module | None = None) -> list[tuple[str, Any, dict[str, Any]]]:
+        """``(name, value, options)`` of every log call, with replica ``replica``'s values, in call order; first
+        the step's torchmetrics calls are made on ``module``'s metrics with those values (``capture.metrics``)."""
         values = self.per_replica(outputs) if self.outputs else {}
+
+        def value_of(name: str) -> torch.Tensor:
+            return values[name][replica] if name not in self.shared else values[name]
+
+        def argument(kind: str, value: Any) -> Any:
+            return value_of(self.step_outputs[value]) if kind == "output" else value
+
+        results = []
+        for call in self.metric_calls:
+            assert module is not None, "a step with torchmetrics calls needs the module to replay them on"
+            method = getattr(module.get_submodule(call.path), call.method)
+            results.append(method(*(argument(*a) for a in call.arguments), **{key: argument(*a) for key, a in call.keywords}))
         logged = []
         for call in self.calls:
-            if call.output is None:
+            if call.metric is not None:
+                logged.append((call.name, module.get_submodule(call.metric), call.options))
+            elif call.metric_call is not None:
+                logged.append((call.name, results[call.metric_call], call.options))
+            elif call.output is None:
                 logged.append((call.name, call.constant, call.options))
-                continue
-            name = self.step_outputs[call.output]
-            value = values[name][replica] if name not in self.shared else values[name]
-            logged.append((call.name, value, call.options))
+            else:
+                logged.append((call.name, value_of(self.step_outputs[call.output]), call.options))
         return logged
 
 
@@ -171,7 +193,9 @@ def kept_targets(graph: Graph, replicas: int) -> KeptTargets:
     return KeptTargets(replicas, masks, {mask: rows[mask] for mask in masks.values() if mask in rows}, ops)
 
 
-def plan_logged_values(graph: Graph, calls: list[LogCall], replicas: int, replica_graph: Graph | None = None) -> LoggedValues:
+def plan_logged_values(
+    graph: Graph, calls: list[LogCall], replicas: int, replica_graph: Graph | None = None, metric_calls: list[MetricCall] | None = None,
+) -> LoggedValues:
     """Make ``graph`` (a traced step: outputs the loss, then the logged tensors) compute its logged
     values' per-replica sums: adds the frontier's per-row reductions and products, and leaves as
     outputs the loss, then the sums and the shared tensors (``LoggedValues.outputs``).
@@ -181,27 +205,39 @@ def plan_logged_values(graph: Graph, calls: list[LogCall], replicas: int, replic
         calls: The step's log calls (``capture.trace_step``).
         replicas: Data-parallel replicas the batch holds.
         replica_graph: The same step traced on one replica's rows (needed when ``replicas > 1``).
+        metric_calls: The step's torchmetrics calls: an argument with one row per sample stays an output
+            whole (each replica takes its rows); any other is computed per replica as a logged value is.
 
     Raises:
         LoggedValueError: a logged value reduces over the batch with an op that has no per-replica
             form (e.g. ``max``), or computes after that with an op other than an elementwise one.
     """
+    metric_calls = list(metric_calls or [])
     step_outputs = list(graph.outputs)
-    logged = list(dict.fromkeys(step_outputs[call.output] for call in calls if call.output is not None))
+    rows = batch_dims(graph, replicas) if metric_calls else {}
+    metric_arguments = list(dict.fromkeys(
+        step_outputs[value] for call in metric_calls for kind, value in (*call.arguments, *(a for _, a in call.keywords)) if kind == "output"
+    ))
+    per_row = {name: (rows[name], getattr(torch, graph.tensors[name].dtype)) for name in metric_arguments if name in rows}
+    logged = list(dict.fromkeys([
+        *(step_outputs[call.output] for call in calls if call.output is not None), *(name for name in metric_arguments if name not in per_row),
+    ]))
     if not logged:
-        graph.outputs = step_outputs[:1]
-        return LoggedValues(calls, replicas, step_outputs)
+        graph.outputs = [step_outputs[0], *per_row]
+        return LoggedValues(calls, replicas, step_outputs, metric_calls=metric_calls, per_row=per_row)
     tail_graph = replica_graph if replicas > 1 else graph
     if tail_graph is None:
         raise ValueError("plan_logged_values: a step with several replicas needs the step traced on one replica's batch")
     keys = _keys_by_tensor(calls, step_outputs)
+    for call in metric_calls:
+        keys.update({step_outputs[value]: f"{call.path}.{call.method} argument" for kind, value in call.arguments if kind == "output"})
     before = needed_ops(graph, step_outputs)
-    rows = batch_dims(graph, replicas)
+    rows = rows or batch_dims(graph, replicas)
     frontier_ops, tail_names, shared_names = _split(graph, logged, rows, keys)
     tail = _tail_ops(tail_graph, tail_names, frontier_ops, shared_names, keys)
     frontier = {name: _frontier_sums(graph, op, rows, replicas, keys) for name, op in frontier_ops.items()}
     shared = {name: _output_of(graph, name) for name in shared_names}
-    result = LoggedValues(calls, replicas, step_outputs, frontier, shared, tail)
+    result = LoggedValues(calls, replicas, step_outputs, frontier, shared, tail, metric_calls, per_row)
     graph.outputs = [step_outputs[0]] + [name for name in result.outputs if name != step_outputs[0]]
     _remove_unneeded(graph, before - needed_ops(graph, graph.outputs))
     return result

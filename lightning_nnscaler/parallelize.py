@@ -35,7 +35,7 @@ from lightning_nnscaler.plans.layout import RecipeLayout, single_replica
 from lightning_nnscaler.runtime.comm import Communicator
 from lightning_nnscaler.runtime.executor import RankExecutor, merge_gradients
 from lightning_nnscaler.schedules import Durations, bubble_fraction, execute, grid, lower, theoretical_bubble_fraction, validate
-from lightning_nnscaler.verify import EquivalenceError, evaluate
+from lightning_nnscaler.verify import EquivalenceError, evaluate, replica_reference
 
 CODEGEN_VERSION = "6"
 
@@ -75,7 +75,8 @@ class Plan:
     """A pipelined plan's schedule (None: one forward and one backward per rank)."""
     _reference: Any = field(default=None, repr=False)
     step_values: StepValues = field(default_factory=StepValues)
-    """The plain attributes the traced training_step read; ``check(module)`` before each step (none for forward)."""
+    """The plain attributes the traced training_step read (``check(module)`` before each step), its guards on
+    per-step values and the constants that carry them (none for forward)."""
     logged: LoggedValues | None = None
     """What the traced training_step logs and how each rank computes its replica's values (None for forward)."""
     search: Any = None
@@ -108,6 +109,9 @@ class Plan:
         """Run every rank's generated code in this process (threads, in-memory communication) and
         compare the loss and every parameter gradient with single-device execution.
 
+        Training-mode BatchNorm takes statistics per data-parallel replica, as under ddp: the
+        single device then cuts those ops at the replicas' rows (``verify.replica_reference``).
+
         Raises:
             EquivalenceError: naming the first parameter (or the loss) that differs.
         """
@@ -115,7 +119,8 @@ class Plan:
 
         graph_inputs = bind_inputs(self.graph, self.module, self.example_args, step=self.step)
         stream = current_stream()  # the reference and every rank draw the same random values
-        reference = evaluate(self.graph, graph_inputs, backward_from=self.graph.outputs[:1])  # logged values start no backward
+        reference_graph = replica_reference(self.graph, self.data_layout.data_parallel)
+        reference = evaluate(reference_graph, graph_inputs, backward_from=self.graph.outputs[:1])  # logged values start no backward
         inputs = self.inputs()
         state = {**dict(self.module.named_parameters(remove_duplicate=False)), **dict(self.module.named_buffers(remove_duplicate=False))}
 
@@ -220,7 +225,7 @@ def explain_pipeline(pipeline: PipelinePlan) -> str:
 
 def parallelize(
     module: nn.Module, example_args: Any, recipe: str = "dp", world_size: int = 1, *, step: str | None = None,
-    communication_cost: Any = None, allow_partial: bool = False, progress: Callable[[str], None] | None = None, **params: Any,
+    batch_idx: int = 0, communication_cost: Any = None, allow_partial: bool = False, progress: Callable[[str], None] | None = None, **params: Any,
 ) -> Plan:
     """Trace ``module``, apply the catalog recipe ``recipe`` for ``world_size`` ranks, materialize
     and generate per-rank code.
@@ -236,6 +241,8 @@ def parallelize(
         recipe: A name from the recipe catalog (``lightning-nnscaler recipes`` lists them).
         world_size: Number of ranks.
         step: ``None`` (forward) or ``"training_step"``.
+        batch_idx: The ``batch_idx`` the traced ``training_step`` sees (with the Trainer's step and epoch, if
+            any): the plan's guards (``plan.step_values.guards``) are the decisions made at these values.
         communication_cost: The RVD search's cost model (``materialize.AlphaBeta`` by default).
         allow_partial: Best effort: accept a plan that leaves whole (replicated) ops the recipe
             means to split, with a ``PartialPlanWarning`` saying how much of the model was split,
@@ -252,17 +259,21 @@ def parallelize(
     with stage(f"tracing {type(module).__name__}.{step or 'forward'}"):
         logged = None
         if step == "training_step":  # the step's Python values that tracing would freeze: refused, or checked every step
-            traced = trace_step(module, example_args)
+            traced = trace_step(module, example_args, batch_idx)
             graph, step_values = traced.graph, traced.step_values
-            logged = _plan_logged_values(module, example_args, traced, recipe, world_size, params)
+            check_batch_rows(graph, recipe, world_size, params)  # before the replica's share is traced
+            logged = _plan_logged_values(module, example_args, traced, recipe, world_size, params, batch_idx)
         else:
             graph, step_values = trace(module, example_args, step=step), StepValues()
+            check_batch_rows(graph, recipe, world_size, params)
     planned = graph.copy()
     with stage(f"planning {len(graph.ops)} ops with recipe {recipe} for {world_size} ranks"):
         with recording_refusals() as refusals:  # ops the recipe meant to split but could not
             context = apply_recipe(planned, recipe, world_size, **params)
         model_parallel = world_size // context.layout.data_parallel if context.layout is not None else 1
         check_coverage(planned, graph, world_size, recipe=recipe, allow_partial=allow_partial, refusals=refusals, model_parallel=model_parallel)
+    if context.pipeline is not None:
+        warn_statistics_per_microbatch(graph)
     loaded_replicas = world_size if recipe == "auto" else world_size // model_parallel  # auto's loader gives every rank its own rows
     kept = kept_targets(graph, loaded_replicas) if loaded_replicas > 1 else None
     if kept is not None and kept.masks:
@@ -280,15 +291,40 @@ def parallelize(
     return plan
 
 
-def _plan_logged_values(module: nn.Module, batch: Any, traced: TracedStep, recipe: str, world_size: int, params: dict[str, Any]) -> LoggedValues:
+def check_batch_rows(graph: Graph, recipe: str, world_size: int, params: dict[str, Any]) -> None:
+    """Raise unless the recipe's data-parallel replicas divide the batch, so each gets the same rows (at least one).
+
+    Raises:
+        RecipeError: a bad recipe or parameter (``RecipeSpec.layout``).
+        ValueError: naming the batch input, its rows, the replicas and the fix.
+    """
+    from lightning_nnscaler.plans.catalog import load_recipe
+
+    layout = load_recipe(recipe).layout(world_size, params)
+    replicas = layout.data_parallel
+    for tensor in graph.user_inputs:
+        rows = tensor.shape[0] if tensor.shape else None
+        if rows is not None and rows % replicas:
+            few = f"fewer rows than its {replicas} replicas" if rows < replicas else f"rows that its {replicas} replicas do not divide"
+            raise ValueError(
+                f"recipe {recipe!r} on {world_size} ranks splits the batch over {replicas} data-parallel replicas ({layout.grid}), "
+                f"but batch input %{tensor.name} has {rows} row{'s' * (rows != 1)}, {few}: some replica would get "
+                f"{'no' if rows < replicas else 'fewer'} rows. Give a batch of a multiple of {replicas} rows (under the Trainer, "
+                "the DataLoader's batch_size is per replica), or use fewer ranks or a recipe with fewer data-parallel replicas"
+            )
+
+
+def _plan_logged_values(
+    module: nn.Module, batch: Any, traced: TracedStep, recipe: str, world_size: int, params: dict[str, Any], batch_idx: int,
+) -> LoggedValues:
     """What the traced step logs, computed per data-parallel replica (``logged_values``); edits ``traced.graph``."""
     from lightning_nnscaler.plans.catalog import load_recipe
 
     replicas = load_recipe(recipe).layout(world_size, params).data_parallel
     replica_graph = None
-    if replicas > 1 and any(call.output is not None for call in traced.logs):
-        replica_graph = trace_step(module, replica_rows(batch, replicas)).graph
-    return plan_logged_values(traced.graph, traced.logs, replicas, replica_graph)
+    if replicas > 1 and (any(call.output is not None for call in traced.logs) or traced.metric_calls):
+        replica_graph = trace_step(module, replica_rows(batch, replicas), batch_idx).graph
+    return plan_logged_values(traced.graph, traced.logs, replicas, replica_graph, traced.metric_calls)
 
 
 def replica_rows(batch: Any, replicas: int) -> Any:
@@ -311,6 +347,21 @@ class _Stages:
         start = time.perf_counter()
         yield
         self.progress(f"{what}: done in {time.perf_counter() - start:.1f} s")
+
+
+def warn_statistics_per_microbatch(graph: Graph) -> None:
+    """Warn that a pipeline's BatchNorm takes statistics per microbatch (as ``torch.distributed.pipelining`` does)."""
+    from lightning_nnscaler.ir.rules.batch_norm import per_piece_statistics
+
+    modules = sorted({
+        graph.tensors[piece.name].state_key.rsplit(".", 1)[0] for op in graph.ops if per_piece_statistics(op)
+        for piece in op.tensor_inputs if graph.tensors[piece.name].role == "buffer"
+    })
+    if modules:
+        warnings.warn(
+            f"BatchNorm {', '.join(modules)}: under a pipeline each microbatch is normalized with its own statistics "
+            "(as torch.distributed.pipelining does), not the replica's batch as under ddp", UserWarning, stacklevel=3,
+        )
 
 
 class GlobalMeanWarning(UserWarning):

@@ -6,8 +6,8 @@ replaced by a `LogRecorder`: each call becomes a `LogCall` that keeps the name a
 (``on_step``, ``on_epoch``, ``sync_dist``, ``prog_bar``, ``reduce_fx``, ``batch_size``, ...), and
 each logged tensor becomes an extra output of the traced step (after the loss), so the graph computes
 it. Plain numbers are logged as they are; ``tensor.item()`` is logged as its tensor (``capture.items``). What the graph cannot compute every step is refused at
-tracing, naming the key: a value that changes between steps without being a tensor of the step
-(``batch_idx``), a tensor of more than one element, or an object such as a torchmetrics ``Metric``.
+tracing, naming the key: a tensor of more than one element, or an object such as a torchmetrics
+``Metric``. A per-step value (``self.global_step``) is lifted into the graph (``capture.step_symbols``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import torch
 
 from lightning_nnscaler.capture.convert import CaptureError
 from lightning_nnscaler.capture.items import ItemValue
-from lightning_nnscaler.capture.step_values import StepInt
+from lightning_nnscaler.capture.metrics import MetricRecorder, MetricResult
+from lightning_nnscaler.capture.step_symbols import StepInt
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,10 @@ class LogCall:
     """The logged number when ``output`` is None."""
     options: dict[str, Any] = field(default_factory=dict)
     """The keyword arguments of ``LightningModule.log`` the call passed (``sync_dist``, ``on_epoch``, ...)."""
+    metric: str | None = None
+    """The path of a torchmetrics ``Metric`` logged as the object (``self.log(name, self.train_acc)``)."""
+    metric_call: int | None = None
+    """The index of the `MetricCall` whose returned value is logged (``self.log(name, self.train_acc(p, t))``)."""
 
 
 class LogRecorder:
@@ -47,10 +52,11 @@ class LogRecorder:
         self.tensors: list[torch.Tensor] = []
         """Logged tensors, each once (by identity), in the order first logged; output ``i + 1`` is ``tensors[i]``."""
         self.loss: torch.Tensor | None = None
+        self.metrics = MetricRecorder(module, self._output_of)
 
     def reset(self) -> None:
         """Forget the calls of an earlier trace of the step."""
-        self.calls, self.tensors = [], []
+        self.calls, self.tensors, self.metrics.calls = [], [], []
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         """Record ``self.log(name, value, ...)``."""
@@ -64,13 +70,16 @@ class LogRecorder:
             self._record(str(name), value, options)
 
     def _record(self, name: str, value: Any, options: dict[str, Any]) -> None:
+        if isinstance(value, MetricResult):
+            self.calls.append(LogCall(name, None, None, options, metric_call=value.call))
+            return
+        if isinstance(value, torch.nn.Module) and self.metrics.path_of(value) is not None:
+            self.calls.append(LogCall(name, None, None, options, metric=self.metrics.path_of(value)))
+            return
         if isinstance(value, ItemValue):  # self.log(name, tensor.item()): the graph computes the tensor every step
             value = value.tensor
-        if isinstance(value, StepInt):
-            raise CaptureError(
-                f"{self.module_name}.training_step logs {name!r} = {value._label}, a number that changes between steps "
-                "while the step is captured once; log it from a callback (e.g. on_train_batch_end) instead"
-            )
+        if isinstance(value, StepInt):  # self.log("step", self.global_step): the graph computes it every step
+            value = value._watch.lift(value).to(torch.get_default_dtype())
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 raise CaptureError(
@@ -103,8 +112,16 @@ class LogRecorder:
             for index, tensor in enumerate(self.tensors)
         }
         self.calls = [call if call.output is None else replace(call, output=position[call.output]) for call in self.calls]
+        self.metrics.calls = [
+            replace(call, arguments=_moved(call.arguments, position), keywords=tuple((key, _moved((argument,), position)[0]) for key, argument in call.keywords))
+            for call in self.metrics.calls
+        ]
         self.tensors = kept
         return (loss, *kept)
+
+
+def _moved(arguments: tuple[tuple[str, Any], ...], position: dict[int, int]) -> tuple[tuple[str, Any], ...]:
+    return tuple((kind, position[value]) if kind == "output" else (kind, value) for kind, value in arguments)
 
 
 def _signature(module: torch.nn.Module, method: str) -> inspect.Signature | None:

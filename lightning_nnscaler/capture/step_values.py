@@ -1,22 +1,21 @@
-"""Python values that a captured ``training_step`` would freeze: refused at tracing, or checked every step.
+"""Python values that a captured ``training_step`` would freeze: followed (lifted or guarded), refused, or checked every step.
 
 ``NnScalerStrategy`` traces ``training_step`` once, on the first batch, and then runs the captured
 tensor computation on every batch. The step's Python runs only at that trace, so whatever it
 computes from a value that changes between steps keeps the first step's result: ``if batch_idx % 2``,
 ``if self.global_step > 3``, ``loss * self.current_epoch``, ``if self.calls > 0``. This module turns
-each of these into a `FrozenValueError` instead of silently wrong training.
+each of these into either the right value at every step or a `FrozenValueError`, never silently
+wrong training.
 
-**Per-step values** are refused at tracing. While the step is traced, ``batch_idx``,
+**Per-step values** are followed, not frozen. While the step is traced, ``batch_idx``,
 ``self.global_step`` and ``self.current_epoch`` (on every LightningModule of the tree), and
 ``self.trainer.global_step`` / ``self.trainer.current_epoch`` (when a Trainer is attached; without
-one the module's properties are 0, as Lightning defines them) are `StepInt`s: int-like values that
-record every use that can change the computation: truth value, comparisons, arithmetic with the
-number on either side (``0.5 * self.global_step``, ``2.0 ** batch_idx``), hashing (a dict key),
-``__index__`` / ``__int__`` / ``__float__`` / rounding conversions, and being passed to any torch
-function (a ``TorchFunctionMode`` sees each torch call of the step, ``torch.tensor(step)`` included).
-Formatting (``str``, ``repr``, f-strings) is not a use: a name such as ``f"loss_{batch_idx}"`` cannot
-change the loss, and ``self.log`` does nothing while tracing. An operation on a `StepInt` returns a
-plain value: the operation itself is already the recorded use.
+one the module's properties are 0, as Lightning defines them) are symbolic `StepInt`s
+(``capture.step_symbols``): arithmetic on them (the number on either side) is lifted into the graph
+where it meets a tensor, and every decision on them (a branch, a comparison, ``int()``, an index, a
+dict key, a size passed to torch) is a `Guard` of the plan, which the strategy checks before every
+step (planning again for a new outcome). Formatting (``str``, ``repr``, f-strings) is neither: a
+name such as ``f"loss_{batch_idx}"`` cannot change the loss.
 
 **Plain attributes** are checked every step. The rule: a read, during the trace, of an attribute
 that is in a module's instance ``__dict__`` (not a property, class attribute, method, parameter,
@@ -40,13 +39,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import numbers
-import operator
 import os
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from collections.abc import Mapping
+from typing import Any, Iterator
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -55,6 +53,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from lightning_nnscaler.capture.convert import CaptureError
+from lightning_nnscaler.capture.step_symbols import Expression, Guard, StepInt, quantity_of
 
 _SCALARS = (bool, int, float, str)
 _UNSET = object()
@@ -107,9 +106,14 @@ class FrozenAttribute:
 
 @dataclass(frozen=True)
 class StepValues:
-    """The plain attributes the traced ``training_step`` read, with their values at tracing."""
+    """What the traced ``training_step`` took from outside its tensors: the plain attributes it read (with
+    their values at tracing), the decisions it made on per-step values (`Guard`s) and the graph constants
+    that carry the per-step quantities its lifted arithmetic uses."""
 
     attributes: tuple[FrozenAttribute, ...] = ()
+    guards: tuple[Guard, ...] = ()
+    lifted: tuple[tuple[str, str], ...] = ()
+    """``(graph constant name, step quantity)`` for each quantity the graph computes with."""
 
     def check(self, module: nn.Module) -> None:
         """Raise unless every attribute the step read still has its traced value (a few getattr).
@@ -126,6 +130,14 @@ class StepValues:
                     f"{attribute.label} constant during training."
                 )
 
+    def failed_guard(self, values: Mapping[str, int]) -> Guard | None:
+        """The first decision the step would make otherwise at step quantities ``values`` (None: the plan holds)."""
+        return next((guard for guard in self.guards if not guard.holds(values)), None)
+
+    def constants(self, values: Mapping[str, int]) -> dict[str, int]:
+        """The lifted constants' values at step quantities ``values``, by graph constant name."""
+        return {name: values[quantity] for name, quantity in self.lifted}
+
 
 def _same(current: Any, traced: Any) -> bool:
     """Equal and of the same type (``1``, ``1.0`` and ``True`` differ; NaN equals NaN)."""
@@ -134,84 +146,42 @@ def _same(current: Any, traced: Any) -> bool:
     return current == traced or (isinstance(traced, float) and math.isnan(traced) and math.isnan(current))
 
 
-class StepInt:
-    """An int that changes between steps; every use that can change the computation is recorded.
-
-    Not an ``int`` subclass: ``0.5 * step`` and ``2.0 ** step`` would then be computed by ``float``'s
-    own methods, which read an int subclass's value in C and never call it. As a plain object it gets
-    the reflected call (``__rmul__``, ``__rpow__``, ...), and ``__index__`` makes it work wherever an
-    int is needed (``range``, list indices, ``torch.tensor``), each of which is a recorded use.
-    """
-
-    __slots__ = ("_value", "_label", "_watch")
-
-    def __init__(self, value: int, label: str, watch: StepWatch) -> None:
-        """``value`` named ``label`` (``batch_idx``, ``self.global_step``) reporting its uses to ``watch``."""
-        self._value, self._label, self._watch = int(value), label, watch
-
-    def __reduce__(self) -> tuple[type, tuple[int]]:
-        return int, (self._value,)
-
-    def __str__(self) -> str:
-        return str(self._value)
-
-    def __repr__(self) -> str:
-        return repr(self._value)
-
-    def __format__(self, spec: str) -> str:
-        return format(self._value, spec)
-
-
-numbers.Integral.register(StepInt)
-
-
-def _plain(value: Any) -> Any:
-    return value._value if isinstance(value, StepInt) else value
-
-
-def _recording(name: str, compute: Callable[..., Any]) -> Callable[..., Any]:
-    def method(self: StepInt, *args: Any) -> Any:
-        self._watch.record_use(self._label)
-        return compute(self._value, *map(_plain, args))
-
-    method.__name__ = f"__{name}__"
-    return method
-
-
-# Every int operation whose result depends on the value; formatting (__str__, __repr__, __format__) is
-# left out. Binary operations compute as Python's operators do on the plain int (so ``step == 0.0`` and
-# ``0.5 + step`` mix types as ints do); the reflected ones swap the operands.
-_UNARY = "bool hash index int float round trunc floor ceil neg pos abs invert".split()
-_BINARY = {
-    "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
-    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv, "floordiv": operator.floordiv,
-    "mod": operator.mod, "divmod": divmod, "pow": pow, "and": operator.and_, "or": operator.or_, "xor": operator.xor,
-    "lshift": operator.lshift, "rshift": operator.rshift,
-}
-_COMPARISONS = {"eq", "ne", "lt", "le", "gt", "ge"}
-for _name in _UNARY:
-    setattr(StepInt, f"__{_name}__", _recording(_name, getattr(int, f"__{_name}__")))
-for _name, _operation in _BINARY.items():
-    setattr(StepInt, f"__{_name}__", _recording(_name, _operation))
-    if _name not in _COMPARISONS:
-        setattr(StepInt, f"__r{_name}__", _recording(f"r{_name}", lambda value, other, operation=_operation: operation(other, value)))
-
-
 class StepWatch:
     """What one trace of ``training_step`` used: per-step values, and plain attributes read or assigned."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, values: Mapping[str, int]) -> None:
         self.module = module
-        self.batch_idx = StepInt(0, "batch_idx", self)
-        self.uses: dict[str, str] = {}  # label -> where it was first used
+        self.values = dict(values)
+        self.batch_idx = self.step_int("batch_idx")
+        self.leaves = {quantity: torch.tensor(value, dtype=torch.int64) for quantity, value in self.values.items()}
+        self.guards: list[Guard] = []
+        self.lifted: set[str] = set()
         self.writes: dict[str, str] = {}  # label -> where it was first assigned
         self._reads: dict[tuple[int, str], FrozenAttribute] = {}
         self._overwritten: dict[tuple[int, str], tuple[nn.Module, str, Any]] = {}  # the value before the first write
         self._paths = {id(sub): path for path, sub in module.named_modules()}
 
-    def record_use(self, label: str) -> None:
-        """A per-step value was used (called by `StepInt`)."""
-        self.uses.setdefault(label, user_location())
+    def step_int(self, label: str) -> StepInt:
+        """The per-step value ``label`` (``batch_idx``, ``self.trainer.global_step``) at this trace."""
+        return StepInt(self.values[quantity_of(label)], Expression("leaf", (), label), self)
+
+    def guard(self, expression: Expression, outcome: Any) -> None:
+        """The step decided ``outcome`` from ``expression`` (called by `StepInt`)."""
+        self.guards.append(Guard(expression, outcome, user_location()))
+
+    def lift(self, value: StepInt, beside: torch.Tensor | None = None) -> torch.Tensor:
+        """``value`` as a 0-d tensor the graph computes from the quantities' constants (called by `StepInt`).
+
+        Beside a tensor it takes the dtype a Python number takes there (as ``torch.result_type``, which
+        cannot run inside the trace: a float beside float32 is float32), so that ``loss * factor``
+        computes as with the number itself.
+        """
+        self.lifted |= {quantity_of(label) for label in value._expression.labels()}
+        lifted = value._expression.tensor(self.leaves, self.values)
+        if beside is None:
+            return lifted
+        dtype = _number_dtype_beside(beside.dtype, value._value)
+        return lifted if lifted.dtype == dtype else lifted.to(dtype)
 
     def record_read(self, owner: nn.Module, name: str, value: Any) -> None:
         """A plain attribute of ``owner`` was read (its first value counts)."""
@@ -239,24 +209,24 @@ class StepWatch:
 
     @contextlib.contextmanager
     def torch_calls(self) -> Iterator[None]:
-        """Record per-step values passed to torch functions (``loss * step``, ``torch.tensor(step)``)."""
+        """Per-step values passed to torch functions: lifted into the graph, or guards (``_StepIntArguments``)."""
         with _StepIntArguments():
             yield
 
-    def step_values(self) -> StepValues:
-        """The attributes read, in the order of their first read."""
-        return StepValues(tuple(self._reads.values()))
+    def step_values(self, constant_values: Mapping[str, torch.Tensor]) -> StepValues:
+        """The attributes read (in the order of their first read), the guards, and which of the graph's
+        ``constant_values`` are the lifted quantities' leaves."""
+        leaf_quantity = {id(tensor): quantity for quantity, tensor in self.leaves.items() if quantity in self.lifted}
+        lifted = tuple((name, leaf_quantity[id(tensor)]) for name, tensor in constant_values.items() if id(tensor) in leaf_quantity)
+        return StepValues(tuple(self._reads.values()), tuple(self.guards), lifted)
 
     def raise_if_frozen(self, cause: BaseException | None = None) -> None:
-        """Raise if the step used a per-step value or assigned a plain attribute.
+        """Raise if the step assigned a plain attribute.
 
         Raises:
             FrozenValueError: naming every value, where it was used, and the fix.
         """
         problems = []
-        if self.uses:
-            used = ", ".join(f"{label} (at {location})" for label, location in self.uses.items())
-            problems.append(f"computes with {used}, which change{'s' if len(self.uses) == 1 else ''} between steps. {_FIX}")
         if self.writes:
             written = ", ".join(f"{label} (at {location})" for label, location in self.writes.items())
             problems.append(
@@ -267,23 +237,48 @@ class StepWatch:
             raise FrozenValueError(f"{type(self.module).__name__}.training_step " + "\nIt also ".join(problems)) from cause
 
 
+def _number_dtype_beside(dtype: torch.dtype, number: int | float) -> torch.dtype:
+    """The dtype torch's promotion gives a Python ``number`` in an op with a tensor of ``dtype``."""
+    if isinstance(number, float):
+        return dtype if dtype.is_floating_point or dtype.is_complex else torch.get_default_dtype()
+    return torch.int64 if dtype == torch.bool and not isinstance(number, bool) else dtype
+
+
 class _StepIntArguments(TorchFunctionMode):
-    """Sees every torch call: a `StepInt` argument is a use (torch reads ints in C, past StepInt's methods)."""
+    """Sees every torch call (torch reads ints in C, past StepInt's methods): a `StepInt` operand of an
+    elementwise op (``loss * step``) or the data of ``torch.tensor(step)`` is lifted into the graph; any
+    other (a size, a dim) is its traced value, kept as a guard."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        for leaf in pytree.tree_leaves((args, kwargs)):
-            if isinstance(leaf, StepInt):
-                leaf._watch.record_use(leaf._label)
-        args, kwargs = pytree.tree_map(_plain, (args, kwargs))
+        if func in (torch.tensor, torch.as_tensor, torch.scalar_tensor) and args and isinstance(args[0], StepInt):
+            lifted = args[0]._watch.lift(args[0])
+            dtype = kwargs.get("dtype") or (torch.get_default_dtype() if lifted.dtype == torch.float64 and func is not torch.scalar_tensor else lifted.dtype)
+            return lifted.to(dtype=dtype, device=kwargs.get("device"))
+        liftable = getattr(func, "__name__", "").strip("_").removeprefix("r") in _ELEMENTWISE
+        beside = next((leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)), None)
+
+        def replace(leaf: Any) -> Any:
+            if not isinstance(leaf, StepInt):
+                return leaf
+            if liftable:
+                return leaf._watch.lift(leaf, beside)
+            return leaf.decide("float" if isinstance(leaf._value, float) else "int")
+
+        args, kwargs = pytree.tree_map(replace, (args, kwargs))
         return func(*args, **kwargs)
 
 
+# Tensor methods and torch functions whose number operands are lifted (``Tensor.__rmul__``, ``torch.where``, ...).
+_ELEMENTWISE = frozenset("""add sub mul div truediv true_divide floordiv floor_divide mod remainder fmod pow where clamp clip
+minimum maximum lerp eq ne lt le gt ge and or xor""".split())
+
+
 @contextlib.contextmanager
-def watch_step(module: nn.Module) -> Iterator[StepWatch]:
-    """While tracing ``module.training_step``: every module of the tree (and its Trainer) runs as a
-    subclass that reports to the yielded `StepWatch`; the original classes are back on exit, also on error."""
-    watch = StepWatch(module)
+def watch_step(module: nn.Module, batch_idx: int = 0) -> Iterator[StepWatch]:
+    """While tracing ``module.training_step`` at ``batch_idx``: every module of the tree (and its Trainer) runs
+    as a subclass that reports to the yielded `StepWatch`; the original classes are back on exit, also on error."""
+    watch = StepWatch(module, step_quantities(module, batch_idx))
     modules = {id(sub): sub for sub in module.modules()}
     trainers = {id(trainer): trainer for sub in modules.values() if isinstance(trainer := vars(sub).get("_trainer"), Trainer)}
     swapped: list[tuple[Any, type]] = []
@@ -346,6 +341,14 @@ def _watched_module_namespace(original: type, watch: StepWatch) -> dict[str, Any
     return namespace
 
 
+def step_quantities(module: nn.Module, batch_idx: int) -> dict[str, int]:
+    """The step quantities where ``module`` is now: ``batch_idx``, and its Trainer's step and epoch (0 without one)."""
+    trainer = vars(module).get("_trainer")
+    if not isinstance(trainer, Trainer):
+        return {"batch_idx": batch_idx, "global_step": 0, "current_epoch": 0}
+    return {"batch_idx": batch_idx, "global_step": trainer.global_step, "current_epoch": trainer.current_epoch}
+
+
 def _step_properties(original: type, prefix: str | None, watch: StepWatch) -> dict[str, property]:
     """``global_step`` and ``current_epoch`` returning `StepInt`s labelled ``<prefix>.<name>``
     (``prefix=None``: the module's own path, ``self.global_step``)."""
@@ -359,8 +362,7 @@ def _step_properties(original: type, prefix: str | None, watch: StepWatch) -> di
             value = base.__get__(self, type(self))
             if not isinstance(value, (int, StepInt)) or isinstance(value, bool):
                 return value
-            label = f"{prefix}.{name}" if prefix else watch.label(self, name)
-            return StepInt(_plain(value), label, watch)  # reading a StepInt's value is no use
+            return watch.step_int(f"{prefix}.{name}" if prefix else watch.label(self, name))
 
         properties[name] = property(fget, doc=base.__doc__)
     return properties

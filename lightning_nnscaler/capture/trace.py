@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from lightning_nnscaler.capture.causal_masks import causal_masks_known
 from lightning_nnscaler.capture.convert import CaptureError, convert
+from lightning_nnscaler.capture.empty_caches import drop_empty_concatenations
 from lightning_nnscaler.capture.items import item_values
 from lightning_nnscaler.capture.logs import LogCall, LogRecorder
+from lightning_nnscaler.capture.metrics import MetricCall
+from lightning_nnscaler.capture.packed_qkv import split_packed_qkv
 from lightning_nnscaler.capture.step_values import StepValues, StepWatch, watch_step
 from lightning_nnscaler.ir.graph import Graph
 
@@ -39,7 +43,7 @@ class _TrainingStep(nn.Module):
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, ...]:
         self.logs.reset()
-        with self.watch.torch_calls(), item_values(), _logging_to(self.module, self.logs):
+        with self.watch.torch_calls(), item_values(), _logging_to(self.module, self.logs), self.logs.metrics.recording():
             output = self.module.training_step(batch, self.watch.batch_idx)
         return self.logs.outputs(_loss_of(output, type(self.module).__name__))
 
@@ -88,8 +92,7 @@ def trace(module: nn.Module, example_args: Any, *, step: str | None = None) -> G
 
     Raises:
         CaptureError: naming the submodule whose code could not be captured and what to change.
-        FrozenValueError: ``training_step`` computes with a value that changes between steps (see
-            ``trace_training_step``).
+        FrozenValueError: ``training_step`` assigns a plain attribute (see ``trace_training_step``).
     """
     if step not in (None, "training_step"):
         raise CaptureError(f"step={step!r} is not supported; use None (forward) or 'training_step'")
@@ -109,6 +112,7 @@ class TracedStep:
     graph: Graph
     step_values: StepValues
     logs: list[LogCall]
+    metric_calls: list[MetricCall] = field(default_factory=list)
 
 
 def trace_training_step(module: nn.Module, batch: Any) -> tuple[Graph, StepValues]:
@@ -117,22 +121,23 @@ def trace_training_step(module: nn.Module, batch: Any) -> tuple[Graph, StepValue
 
     Returns:
         The graph (user inputs follow ``flatten_inputs(batch, step="training_step")``; its output is
-        the loss) and the plain attributes the step read, whose ``check(module)`` must pass before
-        each later step. ``trace_step`` also keeps what the step logs.
+        the loss) and its `StepValues`: the plain attributes the step read, whose ``check(module)`` must
+        pass before each later step, and its guards and lifted constants on per-step values
+        (``capture.step_symbols``). ``trace_step`` also keeps what the step logs.
 
     Raises:
-        FrozenValueError: the step computes with ``batch_idx``, ``self.global_step``,
-            ``self.current_epoch`` or the Trainer's, or assigns a plain attribute; naming each and the fix.
+        FrozenValueError: the step assigns a plain attribute; naming it and the fix.
         CaptureError: naming the submodule whose code could not be captured and what to change.
     """
     traced = trace_step(module, batch)
     return loss_only(traced.graph), traced.step_values
 
 
-def trace_step(module: nn.Module, batch: Any) -> TracedStep:
-    """``trace_training_step`` with the step's ``self.log`` / ``self.log_dict`` calls (``capture.logs``)."""
+def trace_step(module: nn.Module, batch: Any, batch_idx: int = 0) -> TracedStep:
+    """``trace_training_step`` with the step's ``self.log`` / ``self.log_dict`` calls (``capture.logs``), at
+    ``batch_idx`` (and the Trainer's step and epoch): its guards are the decisions made at these values."""
     logs = LogRecorder(module)
-    with watch_step(module) as watch:
+    with watch_step(module, batch_idx) as watch:
         wrapper = _TrainingStep(module, watch, logs)
         try:
             exported = _export(wrapper, (batch,), module)
@@ -141,7 +146,7 @@ def trace_step(module: nn.Module, batch: Any) -> TracedStep:
             raise
     watch.raise_if_frozen()
     graph = convert(exported, dict(wrapper.named_parameters(remove_duplicate=False)), prefix="module.")
-    return TracedStep(graph, watch.step_values(), list(logs.calls))
+    return TracedStep(graph, watch.step_values(graph.constant_values), list(logs.calls), list(logs.metrics.calls))
 
 
 def loss_only(graph: Graph) -> Graph:
@@ -169,9 +174,9 @@ def needed_ops(graph: Graph, outputs: list[str]) -> set[str]:
 def _export(wrapper: nn.Module, args: tuple[Any, ...], module: nn.Module) -> torch.export.ExportedProgram:
     """``torch.export`` (non-strict) of ``wrapper``; a failure names ``module``'s innermost submodule."""
     module_paths = {id(sub): name or type(module).__name__ for name, sub in module.named_modules()}
-    with _silenced_logging(module):
+    with _silenced_logging(module), causal_masks_known():
         try:
-            return torch.export.export(wrapper, args, strict=False)
+            return split_packed_qkv(drop_empty_concatenations(torch.export.export(wrapper, args, strict=False)))
         except CaptureError:
             raise
         except Exception as error:  # noqa: BLE001 - every export failure gets the module path

@@ -99,14 +99,14 @@ from lightning_nnscaler.strategy.checkpoint import (
 )
 from lightning_nnscaler.strategy.failures import ReportingScriptLauncher
 from lightning_nnscaler.strategy.gradients import (
-    GradientStash, clip_grad_norm, gradient_holders, move_param_groups, piece_locations, replica_counts, zero_grad_observers,
+    GradientStash, broadcast_buffers, clip_grad_norm, gradient_holders, move_param_groups, piece_locations, replica_counts, zero_grad_observers,
 )
 from lightning_nnscaler.strategy.overlap import OverlappedStep, reasons_not_to_overlap
 from lightning_nnscaler.strategy.plan_logging import log_measured_step, log_plan
 from lightning_nnscaler.strategy.step_timing import PredictedStep, StepTimer, predict_step
 from lightning_nnscaler.plans.layout import RecipeLayout
 from lightning_nnscaler.strategy.planning import (
-    KeptTargetsCheck, batch_signature, check_fits, check_new_signature, check_recipe, check_supported, gather_replica_batch,
+    KeptTargetsCheck, batch_signature, check_fits, check_step_variants, check_new_signature, check_recipe, check_supported, gather_replica_batch,
     graph_inputs, plan_training_step, random_masks_notice, reads_other_rows, share_pieces,
 )
 
@@ -143,7 +143,8 @@ class NnScalerStrategy(ParallelStrategy):
         **recipe_params: The recipe's parameters, e.g. ``degree=2`` for tp.
 
     Raises:
-        RecipeError: the recipe is not in the catalog, or a parameter is unknown, missing or of the wrong type.
+        RecipeError: the recipe is not in the catalog, or a parameter is unknown, missing, of the wrong type or below its minimum.
+        ValueError: a ``timeout``, ``start_method`` or ``bucket_cap_mb`` that cannot work.
     """
 
     def __init__(
@@ -165,6 +166,11 @@ class NnScalerStrategy(ParallelStrategy):
         check_recipe(recipe, recipe_params)
         if start_method not in _START_METHODS:
             raise ValueError(f"NnScalerStrategy(start_method={start_method!r}): use one of {', '.join(_START_METHODS)}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(
+                f"NnScalerStrategy(timeout={timeout!r}): give the seconds a collective may wait before it fails, a finite "
+                "number > 0 (default 60.0; ddp's timedelta(minutes=30) is timeout=1800); with 0 no collective could complete"
+            )
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
             raise ValueError(f"NnScalerStrategy(bucket_cap_mb={bucket_cap_mb!r}): give a positive size in MiB, or None for 25")
         self.recipe = recipe
@@ -330,34 +336,51 @@ class NnScalerStrategy(ParallelStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Plan the step from the first batch it will receive, and again for each new batch shape (see the module docstring)."""
+        """Plan the step from the first batch it will receive, again for each new batch shape, and again where the
+        step would decide otherwise on per-step values (a guard of every plan so far fails; see the module docstring)."""
         signature = batch_signature(batch)
-        if self.executor is None or signature not in self._plans_by_shape:
+        values = self._step_quantities(batch_idx)
+        known = self._plans_by_shape.get(signature, []) if self.executor is not None else []
+        holding = next(((plan, executor) for plan, executor in known if plan.step_values.failed_guard(values) is None), None)
+        if holding is None:
             self._build_executor(batch, batch_idx, signature)
         else:
-            self.plan, self.executor = self._plans_by_shape[signature]
+            self.plan, self.executor = holding
+
+    def _step_quantities(self, batch_idx: int) -> dict[str, int]:
+        trainer = self.lightning_module.trainer
+        return {"batch_idx": batch_idx, "global_step": trainer.global_step, "current_epoch": trainer.current_epoch}
 
     def _build_executor(self, batch: Any, batch_idx: int, signature: tuple) -> None:
-        """Plan for batches of ``signature``; a plan after the first shares the first's pieces (``planning.share_pieces``)."""
+        """Plan for batches of ``signature`` at ``batch_idx``; a plan after the first shares the first's pieces
+        (``planning.share_pieces``)."""
         module = self.lightning_module
         assert module is not None
         rank, world_size = self.global_rank, self.world_size
         first = self.executor is None
         if first:
-            self._plans_by_shape: dict[tuple, tuple[Plan, RankExecutor]] = {}
+            self._plans_by_shape: dict[tuple, list[tuple[Plan, RankExecutor]]] = {}
             self._kept_targets_check = KeptTargetsCheck()
-        check_new_signature(signature, list(self._plans_by_shape), self._all_gather_objects)
+        if signature in self._plans_by_shape:  # every rank sees the same step values: all plan again alike
+            check_step_variants(module, [plan for plan, _ in self._plans_by_shape[signature]], self._step_quantities(batch_idx))
+        else:
+            check_new_signature(signature, list(self._plans_by_shape), self._all_gather_objects)
         # Traced under the precision's autocast, as it will run: the plan's dtypes are what the step computes.
         with self.precision_plugin.train_step_context():
             plan = plan_training_step(
-                module, batch, self.recipe, self.recipe_params, world_size, self._all_gather_objects, allow_partial=self.allow_partial
+                module, batch, self.recipe, self.recipe_params, world_size, self._all_gather_objects, allow_partial=self.allow_partial,
+                batch_idx=batch_idx,
             )
         code = module_from_source(plan.sources[rank], f"nnscaler_rank{rank}_{plan.plan_hash[:12]}")
         if not first:
             assert self.executor is not None
-            self.plan, self.executor = plan, share_pieces(next(iter(self._plans_by_shape.values()))[1], code, plan, rank)
-            self._plans_by_shape[signature] = (plan, self.executor)
-            rank_zero_info(f"NnScalerStrategy: plan {len(self._plans_by_shape)} for batch shapes {list(signature)} ({plan.plan_hash[:12]})")
+            first_executor = next(iter(self._plans_by_shape.values()))[0][1]
+            self.plan, self.executor = plan, share_pieces(first_executor, code, plan, rank)
+            self._plans_by_shape.setdefault(signature, []).append((plan, self.executor))
+            rank_zero_info(
+                f"NnScalerStrategy: plan {sum(map(len, self._plans_by_shape.values()))} for batch shapes {list(signature)} "
+                f"({plan.plan_hash[:12]}; {len(plan.step_values.guards)} decisions on per-step values)"
+            )
             return
         notice = random_masks_notice(plan)
         if notice:
@@ -369,7 +392,7 @@ class NnScalerStrategy(ParallelStrategy):
             bucket_bytes=None if self.bucket_cap_mb is None else int(self.bucket_cap_mb * 2**20), share_parameters=True,
         )
         self.plan = plan
-        self._plans_by_shape[signature] = (plan, self.executor)
+        self._plans_by_shape[signature] = [(plan, self.executor)]
         self._group_keys = [move_param_groups(optimizer, module, self.executor) for optimizer in self.optimizers]
         self._locations = piece_locations(self.executor)
         trainer = module.trainer
@@ -398,6 +421,7 @@ class NnScalerStrategy(ParallelStrategy):
         self.plan.step_values.check(self.lightning_module)  # a plain attribute the traced step read must not change
         batch = kwargs.get("batch", args[0] if args else None)
         batch_idx = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
+        self.executor.set_constants(self.plan.step_values.constants(self._step_quantities(batch_idx)))  # lifted step values
         trainer = self.lightning_module.trainer
         inputs = graph_inputs(self.plan, batch, self.layout)
         self._kept_targets_check(self.plan, inputs, self.global_rank, self._all_gather_objects)  # at each plan's first step
@@ -411,6 +435,8 @@ class NnScalerStrategy(ParallelStrategy):
         # Lightning's zero_grad comes between training_step and backward on a window's first batch.
         first_of_window = batch_idx % trainer.accumulate_grad_batches == 0
         stream = random_stream(trainer.global_step, batch_idx % trainer.accumulate_grad_batches)
+        if reduce:
+            broadcast_buffers(self.executor, self.plan, self.world_size)
         self.executor.reducer.on_bucket_reduced = self._overlap.step_bucket if self._overlap is not None and reduce else None
         with self.precision_plugin.train_step_context():
             loss = self._gradient_stash.run_step(
@@ -419,7 +445,7 @@ class NnScalerStrategy(ParallelStrategy):
             )
         if self.plan.logged is not None:  # what training_step logs, this rank's replica's values (as under DDP)
             replica = self.layout.replica(self.global_rank)
-            for name, value, options in self.plan.logged.logs(self.executor.values, replica):
+            for name, value, options in self.plan.logged.logs(self.executor.values, replica, self.lightning_module):
                 self.lightning_module.log(name, value, **options)
         return loss
 
@@ -480,7 +506,11 @@ class NnScalerStrategy(ParallelStrategy):
             (shard.location, shard.tensor.detach().cpu()) for shard in shards
             if not (id(shard.tensor) in own and (self.world_size == 1 or shard.location in everywhere))
         ]
-        copy_pieces_into(self.lightning_module, self._all_gather_objects(pieces))
+        gathered = self._all_gather_objects(pieces)
+        # This rank's own pieces last: a buffer the step writes per replica (BatchNorm's running statistics)
+        # keeps this rank's values, as a ddp rank keeps its own.
+        rank = self.global_rank
+        copy_pieces_into(self.lightning_module, [*gathered[:rank], *gathered[rank + 1 :], gathered[rank]])
         self._module_is_stale = False
 
     def _all_gather_objects(self, obj: Any) -> list[Any]:

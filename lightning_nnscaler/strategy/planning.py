@@ -19,7 +19,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_nnscaler.capture import CaptureError, flatten_inputs
+from lightning_nnscaler.capture import CaptureError, FrozenValueError, flatten_inputs
 from lightning_nnscaler.codegen import CodegenError
 from lightning_nnscaler.ir.randomness import RANDOM_LIKE_OP, RANDOM_OP
 from lightning_nnscaler.ir.validate import PlanError
@@ -58,7 +58,7 @@ def _usage_example(recipe: str) -> str:
 
 def plan_training_step(
     module: LightningModule, batch: Any, recipe: str, params: dict[str, Any], world_size: int,
-    gather: Callable[[Any], list[Any]], *, allow_partial: bool = False,
+    gather: Callable[[Any], list[Any]], *, allow_partial: bool = False, batch_idx: int = 0,
 ) -> Plan:
     """Trace ``module.training_step`` on the whole batch of ``batch``'s shapes and plan it with ``recipe``
     for ``world_size`` ranks.
@@ -78,8 +78,8 @@ def plan_training_step(
             if module.global_rank != 0:  # every rank plans the same program: rank 0 alone says what it notices
                 warnings.simplefilter("ignore", GlobalMeanWarning)
             plan = parallelize(
-                module, whole_batch(batch, replicas), recipe, world_size, step="training_step", allow_partial=allow_partial,
-                progress=rank_zero_info, **params,
+                module, whole_batch(batch, replicas), recipe, world_size, step="training_step", batch_idx=batch_idx,
+                allow_partial=allow_partial, progress=rank_zero_info, **params,
             )
     except Exception as error:  # noqa: BLE001 - every planning failure gets the recipe and the fix
         hint = (
@@ -98,6 +98,28 @@ def plan_training_step(
             "data on every rank."
         )
     return plan
+
+
+MAX_STEP_VARIANTS = 8
+"""Plans per batch shape for the outcomes of a step's decisions on per-step values (``batch_idx % 100 == 0``)."""
+
+
+def check_step_variants(module: LightningModule, variants: list[Plan], values: dict[str, int]) -> None:
+    """Refuse to plan a step once more when it already has `MAX_STEP_VARIANTS` plans for one batch shape.
+
+    Raises:
+        FrozenValueError: naming the decisions that change, where they are made, and the fix.
+    """
+    if len(variants) < MAX_STEP_VARIANTS:
+        return
+    changed = {str(guard) for plan in variants if (guard := plan.step_values.failed_guard(values)) is not None}
+    raise FrozenValueError(
+        f"{type(module).__name__}.training_step decides differently on per-step values at its {MAX_STEP_VARIANTS + 1}th "
+        f"outcome ({'; '.join(sorted(changed)[:3])}): each outcome is traced and planned anew. Compute such a value by "
+        "arithmetic, which the plan computes at every step (`loss * (0.5 * self.global_step + 1)`, `torch.where(...)`), "
+        "instead of a decision that changes every step (`int(...)`, `float(...)`, an index, a comparison), or do the Python "
+        "side (printing, counters) in a hook such as on_train_batch_start."
+    )
 
 
 def breaks_recipe_constraints(error: Exception) -> bool:

@@ -65,7 +65,15 @@ def test_one_device_trains_like_eager(one_rank_group: None) -> None:
 class Untraceable(ScheduledGPT):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.compute_loss(batch)
-        if loss.item() > 100:  # Python control flow on a tensor value cannot be captured
+        if loss > 100:  # Python control flow on a tensor value cannot be captured
+            loss = loss / 2
+        return loss
+
+
+class ComparesAnItem(ScheduledGPT):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.compute_loss(batch)
+        if loss.item() > 100:  # the number would be the traced step's
             loss = loss / 2
         return loss
 
@@ -104,6 +112,7 @@ def _config() -> Any:
     ("model_class", "samples", "drop_last", "message"),
     [
         (Untraceable, GLOBAL_BATCH * 2, True, r"could not plan Untraceable.training_step with recipe 'dp'.*cannot capture"),
+        (ComparesAnItem, GLOBAL_BATCH * 2, True, r"training_step calls .item\(\) at .*test_strategy_setup.py:\d+ and compares \(gt\) its result"),
         (ManualOptimization, GLOBAL_BATCH * 2, True, r"manual optimization is not supported: remove `self.automatic_optimization = False`"),
     ],
 )

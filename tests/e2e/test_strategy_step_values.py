@@ -1,7 +1,8 @@
 """NnScalerStrategy never trains a frozen Python value silently: a step that computes with
-``self.global_step`` / ``batch_idx`` is refused at the first batch, a plain attribute the step read
-that changes is refused at the step where it changes, and the fix (the value as a tensor of the
-batch) trains exactly like ``strategy="auto"``.
+``self.global_step`` / ``batch_idx`` trains like ``strategy="auto"`` (arithmetic lifted into the plan,
+decisions planned once per outcome, logging every N batches included), a decision that changes every
+step is refused after a few plans, and a plain attribute the step read that changes is refused at the
+step where it changes.
 
 One device: the run joins a 1-rank gloo group in the pytest process; the fixture leaves it and
 restores the environment variables Lightning set.
@@ -21,7 +22,6 @@ from lightning_nnscaler.capture.step_values import FrozenValueError
 
 import lightning as L  # noqa: E402 - after lightning_nnscaler
 from lightning.pytorch.callbacks import Callback  # noqa: E402
-from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 
 BATCH_SIZE, BATCHES_PER_EPOCH, EPOCHS = 4, 2, 2
 
@@ -87,13 +87,13 @@ class LossRecorder(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def _fit(model: L.LightningModule, strategy: Any) -> tuple[L.Trainer, list[float]]:
+def _fit(model: L.LightningModule, strategy: Any, epochs: int = EPOCHS) -> tuple[L.Trainer, list[float]]:
     generator = torch.Generator().manual_seed(1)
     samples = BATCH_SIZE * BATCHES_PER_EPOCH
     data = TensorDataset(torch.randn(samples, 4, generator=generator), torch.randn(samples, generator=generator))
     recorder = LossRecorder()
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
+        strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder],
     )
     # Lightning keeps a DistributedSampler it is given: both strategies see the same order every epoch.
@@ -102,17 +102,69 @@ def _fit(model: L.LightningModule, strategy: Any) -> tuple[L.Trainer, list[float
     return trainer, recorder.losses
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize(("model_class", "value"), [(BranchesOnGlobalStep, "self.global_step"), (BranchesOnBatchIndex, "batch_idx")])
-def test_a_step_computing_with_a_per_step_value_is_refused_at_the_first_batch(one_rank_group: None, model_class: type, value: str) -> None:
-    model = model_class()
-    strategy = NnScalerStrategy()
-    with pytest.raises(MisconfigurationException, match=rf"computes with {value} \(at .*test_strategy_step_values.py:\d+\)") as error:
+class WarmsUp(Regression):
+    """The Lightning docs' warm-up, written with the numbers on the left."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        warm_up = min(1.0, (self.trainer.global_step + 1) / 4.0)
+        return self.loss(batch) * warm_up * 0.9**self.current_epoch + 0.01 * self.global_step
+
+
+class LogsEveryOtherBatch(Regression):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        if batch_idx % 2 == 0:
+            self.log("sampled_loss", loss * 10)
+        self.log("step", self.global_step)
+        return loss
+
+
+class RecordsLogged(Callback):
+    def __init__(self) -> None:
+        self.logged: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.logged.append({key: float(value) for key, value in trainer.callback_metrics.items()})
+
+
+class RebuildsAStepTensor(Regression):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.loss(batch) * torch.full((), float(self.global_step) + 1.0)  # float(): a decision per step
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("model_class", [BranchesOnGlobalStep, BranchesOnBatchIndex, WarmsUp])
+def test_a_step_computing_with_per_step_values_trains_like_auto(one_rank_group: None, model_class: type) -> None:
+    _, expected = _fit(model_class(), "auto", epochs=3)
+    trainer, losses = _fit(model_class(), NnScalerStrategy(), epochs=3)
+    assert len(losses) == BATCHES_PER_EPOCH * 3
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-7)
+    plans = [plan for variants in trainer.strategy._plans_by_shape.values() for plan, _ in variants]
+    assert len(plans) == {BranchesOnGlobalStep: 2, BranchesOnBatchIndex: 2, WarmsUp: 2}[model_class]  # one per outcome (warm-up ends)
+
+
+@pytest.mark.timeout(180)
+def test_logging_every_other_batch_logs_what_auto_logs(one_rank_group: None) -> None:
+    logged = []
+    for strategy in ("auto", NnScalerStrategy()):
+        recorder = RecordsLogged()
+        model = LogsEveryOtherBatch()
+        model.configure_callbacks = lambda recorder=recorder: [recorder]
         _fit(model, strategy)
-    assert isinstance(error.value.__cause__, FrozenValueError)
-    assert "pass it in as a tensor of the batch" in str(error.value)
-    assert model.trainer.global_step == 0 and strategy.executor is None  # nothing trained
-    assert type(model) is model_class
+        logged.append(recorder.logged)
+    expected, ours = logged
+    assert [sorted(entry) for entry in ours] == [sorted(entry) for entry in expected]
+    assert [entry["step"] for entry in ours] == [0.0, 1.0, 2.0, 3.0]
+    for mine, theirs in zip(ours, expected):
+        torch.testing.assert_close(torch.tensor(list(mine.values())), torch.tensor([theirs[key] for key in mine]), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.timeout(240)
+def test_a_decision_that_changes_every_step_is_refused_after_a_few_plans(one_rank_group: None) -> None:
+    model = RebuildsAStepTensor()
+    with pytest.raises(FrozenValueError, match=r"decides differently on per-step values at its 9th outcome \(float\(self.global_step\) -> .* \(at .*test_strategy_step_values.py:\d+\)"):
+        _fit(model, NnScalerStrategy(), epochs=5)
+    assert model.trainer.global_step == 8  # eight steps trained, each with its own (correct) plan
 
 
 @pytest.mark.timeout(120)

@@ -134,13 +134,19 @@ class LogsMetricObject(LogsMetrics):
     [
         (LogsMaximum, LoggedValueError, r"logs 'largest_logit', which reduces over the batch with op .*aten.max"),
         (LogsPerSample, CaptureError, r"logs 'per_sample', a tensor of shape \(8,\)"),
-        (LogsStepNumber, CaptureError, r"logs 'batch' = batch_idx, a number that changes between steps"),
         (LogsMetricObject, CaptureError, r"logs 'metric' = a object.*instead of a Metric object"),
     ],
 )
 def test_what_cannot_be_logged_per_replica_is_refused_naming_the_key(module_class: type, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         lnn.parallelize(module_class(), batch(), "dp", 2, step="training_step")
+
+
+def test_a_logged_step_number_is_computed_by_the_plan_every_step() -> None:
+    plan = lnn.parallelize(LogsStepNumber(), batch(), "dp", 2, step="training_step", batch_idx=5)
+    plan.verify()
+    assert [quantity for _, quantity in plan.step_values.lifted] == ["batch_idx"]
+    assert plan.step_values.constants({"batch_idx": 7, "global_step": 0, "current_epoch": 0}) == {plan.step_values.lifted[0][0]: 7}
 
 
 def test_a_value_that_does_not_depend_on_the_batch_is_computed_whole() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import re
 from typing import Any
 
 import pytest
@@ -13,7 +14,8 @@ from torch import nn
 
 import lightning_nnscaler as lnn
 from lightning_nnscaler.capture.step_values import FrozenAttribute, FrozenValueError, StepValues
-from lightning_nnscaler.capture.trace import trace_training_step
+from lightning_nnscaler.capture.trace import bind_inputs, trace_step, trace_training_step
+from lightning_nnscaler.ir.interpret import run_graph
 
 import lightning as L  # noqa: E402 - after lightning_nnscaler
 
@@ -100,36 +102,72 @@ class IndexesAScheduleList(Regression):
         return self.loss(batch) * [1.0, 0.5, 0.25][min(self.current_epoch, 2)]
 
 
+def trainer_at(global_step: int, current_epoch: int) -> L.Trainer:
+    """A Trainer whose ``global_step`` and ``current_epoch`` read as given (as in the middle of a fit)."""
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed = global_step
+    trainer.fit_loop.epoch_progress.current.completed = current_epoch
+    assert (trainer.global_step, trainer.current_epoch) == (global_step, current_epoch)
+    return trainer
+
+
 @pytest.mark.parametrize(
-    ("model_class", "message"),
+    ("model_class", "guards", "lifted"),
     [
-        (WarmsUpWithTheNumberOnTheLeft, r"computes with self.global_step \(at .*test_step_values.py:\d+\)"),
-        (DecaysByEpochPower, r"computes with self.current_epoch"),
-        (ScalesByTwoToTheStep, r"computes with self.trainer.global_step"),
-        (DividesByTheStep, r"computes with batch_idx"),
-        (IndexesAScheduleList, r"computes with self.current_epoch"),
-        (BranchesOnBatchIndex, r"BranchesOnBatchIndex.training_step computes with batch_idx \(at .*test_step_values.py:\d+\)"),
-        (BranchesOnGlobalStep, r"computes with self.global_step \(at .*test_step_values.py:\d+\)"),
-        (ScalesByEpoch, r"computes with self.current_epoch"),
-        (MakesTensorOfStep, r"computes with self.global_step"),
-        (LooksUpByEpoch, r"computes with self.current_epoch"),
-        (ReadsTrainerStep, r"computes with self.trainer.global_step"),
-        (CountsItsCalls, r"assigns self.calls \(at .*\): the step's Python runs once.*on_train_batch_start"),
+        (BranchesOnBatchIndex, ["bool(batch_idx % 2) -> True"], []),
+        (BranchesOnGlobalStep, ["self.global_step > 3 -> False"], []),
+        (ScalesByEpoch, [], ["current_epoch"]),
+        (MakesTensorOfStep, ["float(self.global_step) -> 0.0"], []),
+        (LooksUpByEpoch, ["hash(self.current_epoch) -> 0", "self.current_epoch == 0 -> True"], []),
+        (ReadsTrainerStep, [], ["global_step"]),
+        (WarmsUpWithTheNumberOnTheLeft, [], ["global_step"]),
+        (DecaysByEpochPower, [], ["current_epoch"]),
+        (ScalesByTwoToTheStep, [], ["global_step"]),
+        (DividesByTheStep, [], ["batch_idx"]),
+        (IndexesAScheduleList, ["self.current_epoch > 2 -> False", "index(self.current_epoch) -> 0"], []),
     ],
 )
-def test_a_step_computing_with_a_per_step_value_is_refused_naming_it_and_the_fix(model_class: type, message: str) -> None:
+def test_arithmetic_on_per_step_values_is_lifted_and_decisions_are_guards(model_class: type, guards: list[str], lifted: list[str]) -> None:
     model = model_class()
-    model.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    with pytest.raises(FrozenValueError, match=message) as error:
+    model.trainer = trainer_at(0, 0)
+    step_values = trace_step(model, BATCH, batch_idx=1).step_values
+    assert [str(guard).split(" (at ")[0] for guard in step_values.guards] == guards
+    assert all(re.search(r"\(at .*test_step_values.py:\d+\)$", str(guard)) for guard in step_values.guards)
+    assert [quantity for _, quantity in step_values.lifted] == lifted
+
+
+@pytest.mark.parametrize(
+    "model_class", [ScalesByEpoch, ReadsTrainerStep, WarmsUpWithTheNumberOnTheLeft, DecaysByEpochPower, ScalesByTwoToTheStep, DividesByTheStep]
+)
+def test_a_lifted_value_is_each_steps_own(model_class: type) -> None:
+    """Traced at step 0 of epoch 0, the graph with its constants set to a later step's computes that step's loss."""
+    model = model_class()
+    model.trainer = trainer_at(0, 0)
+    traced = trace_step(model, BATCH, batch_idx=0)
+    first_loss = model.training_step(BATCH, 0)
+    for batch_idx, global_step, current_epoch in [(3, 5, 2), (1, 11, 4)]:
+        values = {"batch_idx": batch_idx, "global_step": global_step, "current_epoch": current_epoch}
+        assert traced.step_values.failed_guard(values) is None
+        for name, value in traced.step_values.constants(values).items():
+            traced.graph.constant_values[name].fill_(value)
+        loss = run_graph(traced.graph, bind_inputs(traced.graph, model, BATCH, step="training_step"))[traced.graph.outputs[0]]
+        model.trainer = trainer_at(global_step, current_epoch)
+        expected = model.training_step(BATCH, batch_idx)
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+        assert not torch.isclose(loss, first_loss), "the later step's factor differs from the traced one's"
+
+
+def test_a_step_assigning_an_attribute_is_refused_naming_it_and_the_fix() -> None:
+    model = CountsItsCalls()
+    model.trainer = trainer_at(0, 0)
+    with pytest.raises(FrozenValueError, match=r"assigns self.calls \(at .*\): the step's Python runs once.*on_train_batch_start") as error:
         lnn.trace(model, BATCH, step="training_step")
     assert isinstance(error.value, lnn.CaptureError)
-    if "assigns" not in message:
-        assert "pass it in as a tensor of the batch" in str(error.value) and "torch.where" in str(error.value)
 
 
 def test_without_a_trainer_the_step_values_are_zero_and_still_watched() -> None:
-    with pytest.raises(FrozenValueError, match="self.global_step"):
-        trace_training_step(BranchesOnGlobalStep(), BATCH)
+    _, step_values = trace_training_step(BranchesOnGlobalStep(), BATCH)
+    assert [str(guard).split(" (at ")[0] for guard in step_values.guards] == ["self.global_step > 3 -> False"]
 
 
 class BranchesOnCounter(Regression):
@@ -218,7 +256,7 @@ class Untraceable(Regression):
 
 @pytest.mark.parametrize(
     ("model_class", "error"),
-    [(ReadsOnlyWhatDoesNotChange, None), (ScalesByEpoch, FrozenValueError), (CountsItsCalls, FrozenValueError), (Untraceable, lnn.CaptureError)],
+    [(ReadsOnlyWhatDoesNotChange, None), (ScalesByEpoch, None), (CountsItsCalls, FrozenValueError), (Untraceable, lnn.CaptureError)],
 )
 def test_tracing_restores_the_classes_and_attributes_also_when_it_fails(model_class: type, error: type | None) -> None:
     model = model_class()
