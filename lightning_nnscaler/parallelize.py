@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from lightning_nnscaler.capture import bind_inputs, trace
 from lightning_nnscaler.capture.step_values import StepValues
+from lightning_nnscaler.replica_buffers import ReplicaBufferUpdates, replica_buffer_updates
 from lightning_nnscaler.capture.trace import TracedStep, trace_step
 from lightning_nnscaler.codegen import emit_rank, module_from_source, save_sources
 from lightning_nnscaler.codegen.load import digest
@@ -79,6 +80,8 @@ class Plan:
     per-step values and the constants that carry them (none for forward)."""
     logged: LoggedValues | None = None
     """What the traced training_step logs and how each rank computes its replica's values (None for forward)."""
+    replica_buffers: ReplicaBufferUpdates | None = None
+    """Buffers the step updates by arithmetic, recomputed per data-parallel replica after each step (``replica_buffers``)."""
     search: Any = None
     """For ``recipe="auto"``: the search that chose this plan (``sim.search.SearchResult``: winner and ranked table)."""
     kept_targets: KeptTargets | None = None
@@ -257,12 +260,13 @@ def parallelize(
 
     stage = _Stages(progress)
     with stage(f"tracing {type(module).__name__}.{step or 'forward'}"):
-        logged = None
+        logged = replica_buffers = None
         if step == "training_step":  # the step's Python values that tracing would freeze: refused, or checked every step
             traced = trace_step(module, example_args, batch_idx)
             graph, step_values = traced.graph, traced.step_values
             check_batch_rows(graph, recipe, world_size, params)  # before the replica's share is traced
             logged = _plan_logged_values(module, example_args, traced, recipe, world_size, params, batch_idx)
+            replica_buffers = _replica_buffers(module, example_args, graph, recipe, world_size, params, batch_idx)
         else:
             graph, step_values = trace(module, example_args, step=step), StepValues()
             check_batch_rows(graph, recipe, world_size, params)
@@ -286,6 +290,7 @@ def parallelize(
         )
     plan.step_values = step_values
     plan.logged = logged
+    plan.replica_buffers = replica_buffers
     plan.search = context.search
     plan.kept_targets = kept
     return plan
@@ -325,6 +330,25 @@ def _plan_logged_values(
     if replicas > 1 and (any(call.output is not None for call in traced.logs) or traced.metric_calls):
         replica_graph = trace_step(module, replica_rows(batch, replicas), batch_idx).graph
     return plan_logged_values(traced.graph, traced.logs, replicas, replica_graph, traced.metric_calls)
+
+
+def _replica_buffers(
+    module: nn.Module, batch: Any, graph: Graph, recipe: str, world_size: int, params: dict[str, Any], batch_idx: int,
+) -> ReplicaBufferUpdates | None:
+    """The step's arithmetic buffer updates, per replica (``replica_buffers``); a warning names those left to the plan."""
+    from lightning_nnscaler.plans.catalog import load_recipe
+
+    replicas = load_recipe(recipe).layout(world_size, params).data_parallel
+    if replicas == 1 or not graph.buffer_updates:
+        return None
+    updates = replica_buffer_updates(graph, trace_step(module, replica_rows(batch, replicas), batch_idx).graph)
+    if updates is not None and updates.left_to_the_plan:
+        warnings.warn(
+            f"{type(module).__name__}.training_step updates the buffers {updates.left_to_the_plan} from parameters: the plan "
+            f"updates them over the global batch ({replicas} replicas' rows), where each ddp rank updates its own copy from "
+            "its own rows", stacklevel=3,
+        )
+    return updates
 
 
 def replica_rows(batch: Any, replicas: int) -> Any:

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from lightning_nnscaler.ir.box import Box, PieceLocation, region
+from lightning_nnscaler.ir.box import Box, PieceLocation, full_box, region
 from lightning_nnscaler.ir.randomness import RandomStream, set_stream
 from lightning_nnscaler.runtime.comm import AsyncHandle, Communicator
 from lightning_nnscaler.runtime.pipeline import PipelineRun
@@ -241,6 +241,18 @@ class RankExecutor:
         if backward:
             self.reducer.after_backward()
         return (loss_sum[0] if overlapped else self._start_loss_sum(run.seeds, run.values)).wait()
+
+    def whole_buffers(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        """A copy of each buffer of ``shapes`` (state_dict key -> its shape) that this rank holds whole."""
+        return {
+            shard.location.state_key: shard.tensor.detach().clone() for shard in self.shards.values()
+            if shard.location.state_key in shapes and not isinstance(shard.tensor, torch.nn.Parameter)
+            and shard.location.chunk is None and shard.location.box == full_box(shapes[shard.location.state_key])
+        }
+
+    def write_whole_buffers(self, values: dict[str, torch.Tensor]) -> None:
+        """Write whole buffer values (by state_dict key) into the boxes this rank holds."""
+        self._write_buffers([(key, full_box(value.shape), value) for key, value in values.items()])
 
     def _write_buffers(self, values: list[tuple[str, Box, torch.Tensor]]) -> None:
         """Write the step's new buffer values (``BUFFER_PIECES``) into the buffer boxes this rank holds: each

@@ -425,6 +425,7 @@ class NnScalerStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer
         inputs = graph_inputs(self.plan, batch, self.layout)
         self._kept_targets_check(self.plan, inputs, self.global_rank, self._all_gather_objects)  # at each plan's first step
+        loaded_inputs = inputs  # this rank's replica's rows, as the DataLoader gave them
         if reads_other_rows(self.layout, self.plan.data_layout, self.world_size):  # auto: the winner's rows
             inputs = gather_replica_batch(inputs, self.layout, self.plan.data_layout, self.global_rank, self._all_gather_tensor)
         scaler = getattr(self.precision_plugin, "scaler", None)  # 16-mixed: backward of the loss times the loss scale
@@ -437,12 +438,16 @@ class NnScalerStrategy(ParallelStrategy):
         stream = random_stream(trainer.global_step, batch_idx % trainer.accumulate_grad_batches)
         if reduce:
             broadcast_buffers(self.executor, self.plan, self.world_size)
+        replica_buffers = self.plan.replica_buffers  # an EMA, a counter: per replica, from the values before the step
+        buffers_before = self.executor.whole_buffers(replica_buffers.shapes) if replica_buffers is not None else {}
         self.executor.reducer.on_bucket_reduced = self._overlap.step_bucket if self._overlap is not None and reduce else None
         with self.precision_plugin.train_step_context():
             loss = self._gradient_stash.run_step(
                 lambda: self.executor.forward_backward(inputs, loss_scale=scale, reduce_gradients=reduce, random_stream=stream),
                 zero_grad_follows=first_of_window,
             )
+        if replica_buffers is not None and set(replica_buffers.shapes) <= set(buffers_before):
+            self.executor.write_whole_buffers(replica_buffers.compute(loaded_inputs, buffers_before))
         if self.plan.logged is not None:  # what training_step logs, this rank's replica's values (as under DDP)
             replica = self.layout.replica(self.global_rank)
             for name, value, options in self.plan.logged.logs(self.executor.values, replica, self.lightning_module):

@@ -39,7 +39,6 @@ def test_batch_norm_trains_as_under_ddp(results: list[dict[str, dict[str, Any]]]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="issue 34: a buffer update other than BatchNorm's is computed over the global batch (seen 32, not ddp's 16)")
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_ema_and_counter_buffers_end_as_under_ddp(results: list[dict[str, dict[str, Any]]], strategy: str) -> None:
     for rank, runs in enumerate(results):

@@ -28,8 +28,11 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"ir"},
     "checkpoint_hint": {"checkpoint"},
     "logged_values": {"ir", "capture", "plans"},
+    "replica_buffers": {"ir", "capture"},
     "explain": {"ir", "materialize", "plans"},
-    "parallelize": {"ir", "capture", "plans", "schedules", "materialize", "codegen", "runtime", "verify", "draw", "explain", "logged_values", "sim"},
+    "parallelize": {
+        "ir", "capture", "plans", "schedules", "materialize", "codegen", "runtime", "verify", "draw", "explain", "logged_values", "replica_buffers", "sim",
+    },
     "strategy": {"ir", "capture", "plans", "codegen", "runtime", "checkpoint", "parallelize", "explain", "sim"},
     "data": set(),
     "draw": {"explain", "sim"},  # the picture is the simulator's timeline

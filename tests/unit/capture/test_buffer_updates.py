@@ -72,3 +72,29 @@ def test_batch_norm_under_dp_sends_gradients_only_and_verifies_per_replica(recip
         assert 0 <= extra < 256, extra
     plan.verify()  # against one device whose BatchNorm takes statistics per replica, as ddp
     assert "BUFFER_PIECES" in plan.sources[1]
+
+
+class CountsAndTracksWeights(nn.Module):
+    """A counter of rows (per replica under ddp) and an EMA of a weight (reads a parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 1)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.register_buffer("weight_ema", torch.zeros(1, 3))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.seen += x.shape[0]
+        self.weight_ema.mul_(0.9).add_(0.1 * self.layer.weight.detach())
+        return nn.functional.mse_loss(self.layer(x).squeeze(1), y)
+
+
+def test_an_arithmetic_buffer_update_is_recomputed_per_replica_and_one_from_parameters_is_named() -> None:
+    batch = (torch.randn(8, 3), torch.randn(8))
+    with pytest.warns(UserWarning, match=r"updates the buffers \['weight_ema'\] from parameters: the plan updates them over the global batch"):
+        plan = lnn.parallelize(CountsAndTracksWeights(), batch, "dp", 2, step="training_step")
+    updates = plan.replica_buffers
+    assert list(updates.new_values) == ["seen"] and updates.left_to_the_plan == ["weight_ema"]
+    rows = {tensor.name: value[:4] for tensor, value in zip(plan.graph.user_inputs, batch)}  # one replica's rows
+    assert int(updates.compute(rows, {"seen": torch.tensor(10)})["seen"]) == 14  # 4 rows, not the global batch's 8
