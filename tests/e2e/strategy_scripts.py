@@ -118,26 +118,23 @@ class DieAtTeardown(Callback):
 
 def rank_killed_at_the_end(timeout: float) -> None:
     """A 2-device fit of a small model whose rank 1 is SIGKILLed at teardown, after the last step."""
-    torch.set_num_threads(1)
-    generator = torch.Generator().manual_seed(0)
-    samples = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=generator), torch.randn(32, 1, generator=generator))
-    trainer = L.Trainer(
-        strategy=lnn.NnScalerStrategy(timeout=timeout), accelerator="cpu", devices=2, max_steps=3, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[DieAtTeardown(rank=1)],
-    )
-    trainer.fit(TinyRegressor(), torch.utils.data.DataLoader(samples, batch_size=4))
+    fit_tiny_regressor(timeout, steps=3, callback=DieAtTeardown(rank=1))
     print("fit returned")
 
 
 def rank_raises(timeout: float) -> None:
     """Train a small model on 2 devices until rank 1 raises ``ValueError("boom from rank 1")`` at step ``DEATH_STEP``."""
+    fit_tiny_regressor(timeout, steps=20, callback=RaiseAtStep(rank=1, step=DEATH_STEP))
+
+
+def fit_tiny_regressor(timeout: float, *, steps: int, callback: Callback) -> None:
+    """`TinyRegressor` on 2 devices for ``steps`` steps of 4 samples, with ``callback``."""
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
-    samples = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=generator), torch.randn(64, 1, generator=generator))
+    samples = torch.utils.data.TensorDataset(torch.randn(4 * steps, 8, generator=generator), torch.randn(4 * steps, 1, generator=generator))
     trainer = L.Trainer(
-        strategy=lnn.NnScalerStrategy(timeout=timeout), accelerator="cpu", devices=2, max_steps=20, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[RaiseAtStep(rank=1, step=DEATH_STEP)],
+        strategy=lnn.NnScalerStrategy(timeout=timeout), accelerator="cpu", devices=2, max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
     )
     trainer.fit(TinyRegressor(), torch.utils.data.DataLoader(samples, batch_size=4))
 
@@ -153,4 +150,6 @@ if __name__ == "__main__":
     elif command == "rank_killed_at_the_end":
         rank_killed_at_the_end(float(arguments[0]))
     else:
-        raise SystemExit(f"unknown command {command!r}: use two_node OUTPUT_DIR, rank_dies TIMEOUT_S DEATH_FILE or rank_raises TIMEOUT_S")
+        raise SystemExit(
+            f"unknown command {command!r}: use two_node OUTPUT_DIR, rank_dies TIMEOUT_S DEATH_FILE, rank_raises TIMEOUT_S or rank_killed_at_the_end TIMEOUT_S"
+        )

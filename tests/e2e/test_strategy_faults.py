@@ -50,18 +50,7 @@ def test_a_rank_killed_mid_training_fails_the_run_within_a_minute(tmp_path: Path
 
 @pytest.mark.timeout(300)
 def test_a_rank_that_raises_is_named_with_its_error_in_the_last_lines(tmp_path: Path) -> None:
-    log = tmp_path / "run.log"
-    with open(log, "w") as output:
-        run = subprocess.Popen(
-            [sys.executable, str(SCRIPT), "rank_raises", str(COLLECTIVE_TIMEOUT_S)],
-            cwd=tmp_path, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-    try:
-        return_code = run.wait(timeout=240)
-        wait_until_gone(run.pid, timeout=EXIT_WITHIN_S)
-    finally:
-        kill_group(run.pid)
-    text = log.read_text()
+    return_code, text = run_script(tmp_path, "rank_raises", str(COLLECTIVE_TIMEOUT_S))
     last_lines = "\n".join(text.splitlines()[-10:])
     assert return_code != 0, text[-3000:]
     # Rank 0, the launching process, fails last: on the collective rank 1 left, naming rank 1 and its error.
@@ -71,19 +60,21 @@ def test_a_rank_that_raises_is_named_with_its_error_in_the_last_lines(tmp_path: 
 
 @pytest.mark.timeout(300)
 def test_a_rank_killed_after_the_last_step_makes_the_run_fail(tmp_path: Path) -> None:
+    return_code, text = run_script(tmp_path, "rank_killed_at_the_end", str(COLLECTIVE_TIMEOUT_S))
+    assert return_code != 0, text[-3000:]
+    # Rank 0 names the dead rank as its script ends, or the launcher's observer killed rank 0 on seeing it die first.
+    named = re.search(r"ChildRankFailed: local rank 1 \(pid \d+\) was killed by SIGKILL", text)
+    assert named or return_code == -signal.SIGKILL, text[-3000:]
+
+
+def run_script(tmp_path: Path, *arguments: str) -> tuple[int, str]:
+    """``strategy_scripts.py ARGUMENTS`` in its own session: its exit status and output, once every process it started is gone."""
     log = tmp_path / "run.log"
     with open(log, "w") as output:
-        run = subprocess.Popen(
-            [sys.executable, str(SCRIPT), "rank_killed_at_the_end", str(COLLECTIVE_TIMEOUT_S)],
-            cwd=tmp_path, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        run = subprocess.Popen([sys.executable, str(SCRIPT), *arguments], cwd=tmp_path, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         return_code = run.wait(timeout=240)
         wait_until_gone(run.pid, timeout=EXIT_WITHIN_S)
     finally:
         kill_group(run.pid)
-    text = log.read_text()
-    assert return_code != 0, text[-3000:]
-    # Rank 0 names the dead rank as its script ends, or the launcher's observer killed rank 0 on seeing it die first.
-    named = re.search(r"ChildRankFailed: local rank 1 \(pid \d+\) was killed by SIGKILL", text)
-    assert named or return_code == -signal.SIGKILL, text[-3000:]
+    return return_code, log.read_text()
