@@ -14,6 +14,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from lightning_nnscaler.capture.packed import FlattenedLinear, HeadView, PackedProjection, flattened_linears, head_views, packed_projections
 from lightning_nnscaler.capture.random_ops import RANDOM_HANDLERS
+from lightning_nnscaler.capture.sync_batch_norm import decompose_sync_batch_norm, from_sync_batch_norm
 from lightning_nnscaler.ir.rules import annotate_op
 from lightning_nnscaler.ir.rules.batch_norm import BATCH_NORM, FUNCTIONAL_BATCH_NORM
 from lightning_nnscaler.ir.rules.networks import POINTWISE_LOSSES
@@ -407,6 +408,8 @@ def _decompose_batch_norm(converter: _Converter, node: fx.Node, args: Any, kwarg
     names = ["input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps"]
     bound = {**dict(zip(names, args)), **kwargs}
     statistics = [node.args[3] if len(node.args) > 3 else node.kwargs.get("running_mean"), node.args[4] if len(node.args) > 4 else node.kwargs.get("running_var")]
+    if bound.get("training") and from_sync_batch_norm(node):
+        return decompose_sync_batch_norm(converter, node, bound, statistics, no_grad)
     if not bound.get("training") or not all(isinstance(item, fx.Node) for item in statistics):
         return False
     value, channels = node.meta["val"], statistics[0].meta["val"]

@@ -27,6 +27,7 @@ from lightning_nnscaler.capture.logs import LogCall, LogRecorder
 from lightning_nnscaler.capture.metrics import MetricCall
 from lightning_nnscaler.capture.packed_qkv import split_packed_qkv
 from lightning_nnscaler.capture.step_values import StepValues, StepWatch, watch_step
+from lightning_nnscaler.capture.sync_batch_norm import sync_batch_norm_traced
 from lightning_nnscaler.ir.graph import Graph
 
 
@@ -174,7 +175,7 @@ def needed_ops(graph: Graph, outputs: list[str]) -> set[str]:
 def _export(wrapper: nn.Module, args: tuple[Any, ...], module: nn.Module) -> torch.export.ExportedProgram:
     """``torch.export`` (non-strict) of ``wrapper``; a failure names ``module``'s innermost submodule."""
     module_paths = {id(sub): name or type(module).__name__ for name, sub in module.named_modules()}
-    with _silenced_logging(module), causal_masks_known():
+    with _silenced_logging(module), causal_masks_known(), sync_batch_norm_traced():
         try:
             return split_packed_qkv(drop_empty_concatenations(torch.export.export(wrapper, args, strict=False)))
         except CaptureError:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_nnscaler.ir.graph import Graph
+from lightning_nnscaler.ir.rules.batch_norm import SYNC_MOMENTS
 from lightning_nnscaler.ir.op import PROLOGUE, Op
 from lightning_nnscaler.ir.tensor import dtype_bytes
 from lightning_nnscaler.plans.context import PlanContext, PipelinePlan
@@ -219,6 +220,7 @@ def pipeline(
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: schedule must be one of {SCHEDULES}, got {schedule!r}")
+    _refuse_sync_batch_norm(graph, schedule)
     for key, named in (("recompute_stages", recompute_stages), ("coshard_stages", coshard_stages)):
         if named and schedule in ("3f1b", "interlaced"):
             raise ValueError(
@@ -398,6 +400,17 @@ def check_microbatches_split(pieces: list[list[Op]]) -> None:
                 f"read every microbatch's rows of %{read}; a pipeline needs every op on the batch's path to split by batch. "
                 f"{fix}, or use a recipe without microbatches (dp, tp)"
             )
+
+
+def _refuse_sync_batch_norm(graph: Graph, schedule: str) -> None:
+    """A pipeline runs a microbatch's forward before the next arrives: statistics over the whole batch cannot be had."""
+    synced = [op.name for op in graph.ops if op.target == SYNC_MOMENTS]
+    if synced:
+        raise ValueError(
+            f"{schedule}: nn.SyncBatchNorm ({', '.join(synced)}) needs statistics over the whole batch, but a pipeline "
+            "runs each microbatch's forward before the next microbatch's: use nn.BatchNorm (statistics per microbatch, as "
+            "torch.distributed.pipelining computes them), or a recipe without a pipeline (dp, zero1, zero3)"
+        )
 
 
 def check_microbatches(schedule: str, rows: int, microbatches: int, multiple_of: int = 1, *, chosen: bool = False) -> None:

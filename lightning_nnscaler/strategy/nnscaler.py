@@ -290,6 +290,8 @@ class NnScalerStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:  # Trainer(sync_batchnorm=True), as DDPStrategy: the plan syncs SyncBatchNorm's sums
+            self.model = self._layer_sync.apply(self.model)
         if fitting:
             assert self.lightning_module is not None
             self._layout = check_supported(
@@ -655,9 +657,12 @@ class NnScalerStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """Undo the clipping hook; the executor stays (see below)."""
+        """Undo the clipping hook and ``sync_batchnorm``'s conversion; the executor stays (see below)."""
         # The executor stays until the next fit: `trainer.save_checkpoint` after `fit` still needs its pieces.
         vars(self.precision_plugin).pop("clip_grad_by_norm", None)
+        module = self.lightning_module
+        if module is not None and module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+            self.model = self._layer_sync.revert(self.model)  # as DDPStrategy; the layers keep their tensors
         super().teardown()
 
     @classmethod
