@@ -112,8 +112,9 @@ class Plan:
         """Run every rank's generated code in this process (threads, in-memory communication) and
         compare the loss and every parameter gradient with single-device execution.
 
-        Training-mode BatchNorm takes statistics per data-parallel replica, as under ddp: the
-        single device then cuts those ops at the replicas' rows (``verify.replica_reference``).
+        Training-mode BatchNorm takes statistics per data-parallel replica, as under ddp (and under a
+        pipeline per microbatch): the single device then cuts those ops at the replicas' (microbatches')
+        rows (``verify.replica_reference``).
 
         Raises:
             EquivalenceError: naming the first parameter (or the loss) that differs.
@@ -122,7 +123,8 @@ class Plan:
 
         graph_inputs = bind_inputs(self.graph, self.module, self.example_args, step=self.step)
         stream = current_stream()  # the reference and every rank draw the same random values
-        reference_graph = replica_reference(self.graph, self.data_layout.data_parallel)
+        microbatches = self.pipeline.schedule.microbatches if self.pipeline is not None else 1  # per replica
+        reference_graph = replica_reference(self.graph, self.data_layout.data_parallel, microbatches)
         reference = evaluate(reference_graph, graph_inputs, backward_from=self.graph.outputs[:1])  # logged values start no backward
         inputs = self.inputs()
         state = {**dict(self.module.named_parameters(remove_duplicate=False)), **dict(self.module.named_buffers(remove_duplicate=False))}

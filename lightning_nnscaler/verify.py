@@ -52,19 +52,23 @@ def evaluate(graph: Graph, inputs: dict[str, torch.Tensor], seed: int = 0, backw
     return Evaluation({name: value.detach() for name, value in outputs.items()}, gradients)
 
 
-def replica_reference(graph: Graph, replicas: int) -> Graph:
-    """The single-device reference of a plan with ``replicas`` data-parallel replicas: ``graph`` with each op
-    whose statistics are per piece of the batch (training-mode BatchNorm) cut into one piece per replica.
+def replica_reference(graph: Graph, replicas: int, microbatches: int = 1) -> Graph:
+    """The single-device reference of a plan with ``replicas`` data-parallel replicas, each running its rows
+    as ``microbatches`` microbatches (a pipeline's, per replica; 1 otherwise): ``graph`` with each op whose
+    statistics are per piece of the batch (training-mode BatchNorm) cut into ``replicas × microbatches`` pieces.
 
-    Such ops normalize each replica's rows with that replica's statistics, as ddp does; every other op
-    is as one device runs it, so the oracle stays "equal to one device", with ddp's statistics.
+    Such ops normalize each replica's rows with that replica's statistics, as ddp does, and under a
+    pipeline each microbatch's rows with that microbatch's (as ``torch.distributed.pipelining`` does: the
+    plan's ``split_batch`` cuts the batch replica-major into as many equal row ranges, the ones cut here);
+    every other op is as one device runs it, so the oracle stays "equal to one device", with those statistics.
     """
+    pieces = replicas * microbatches
     cut = [op for op in graph.ops if per_piece_statistics(op) and op.annotation and BATCH_DIM in op.annotation]
-    if replicas <= 1 or not cut:
+    if pieces <= 1 or not cut:
         return graph
     reference = graph.copy()
     for op in cut:
-        op_trans(reference, op.name, BATCH_DIM, replicas)
+        op_trans(reference, op.name, BATCH_DIM, pieces)
     return reference
 
 

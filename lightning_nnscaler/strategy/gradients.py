@@ -179,11 +179,22 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, replicas
 def broadcast_buffers(executor: RankExecutor, plan: Any, world_size: int) -> None:
     """Give every rank rank 0's copy of each buffer the step writes, as ddp does before each forward that
     syncs gradients (``broadcast_buffers=True``, its default, which Lightning keeps): each rank then
-    updates it from its own rows. Only buffers every rank holds whole are broadcast (a collective)."""
+    updates it from its own rows. Only buffers every rank holds whole are broadcast (a collective), and
+    which those are is read from the plan, the same on every rank: a pipeline's stages hold different
+    BatchNorms, and a rank deciding from its own pieces would call broadcasts its peers never match."""
     shapes = {plan.graph.tensors[name].state_key: plan.graph.tensors[name].shape for name in plan.graph.buffer_updates}
     if world_size == 1 or not shapes:
         return
-    for shard in executor.shards.values():
-        key = shard.location.state_key
-        if key in shapes and shard.location.chunk is None and shard.location.box == full_box(shapes[key]):
-            dist.broadcast(shard.tensor.data, src=0)
+    holders: dict[str, set[int]] = defaultdict(set)
+    for op in plan.planned.ops:
+        for piece in op.tensor_inputs:
+            key = piece.tensor.state_key
+            if piece.tensor.role == "buffer" and key in shapes and tuple(piece.index.ranges) == full_box(shapes[key]):
+                holders[key].add(op.device)
+    everywhere = {key for key, ranks in holders.items() if len(ranks) == world_size}
+    whole = {
+        shard.location.state_key: shard for shard in executor.shards.values()
+        if shard.location.state_key in everywhere and shard.location.chunk is None and shard.location.box == full_box(shapes[shard.location.state_key])
+    }
+    for key in sorted(everywhere):
+        dist.broadcast(whole[key].tensor.data, src=0)

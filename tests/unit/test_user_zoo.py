@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning_nnscaler as lnn
+from lightning_nnscaler.capture.trace import bind_inputs
+from lightning_nnscaler.verify import evaluate
 
 import lightning.pytorch as L  # noqa: E402 - after lightning_nnscaler
 
@@ -495,23 +497,45 @@ def test_pytorch_transformer_with_a_causal_tgt_mask_verifies(decoder_only: bool,
     _verified(PyTorchTransformerLM(decoder_only), tokens_and_targets(), recipe, world_size)
 
 
-PIPELINED: dict[str, tuple[Callable[[], nn.Module], Callable[[], Any], list[str]]] = {
+PIPELINED: dict[str, tuple[Callable[[], nn.Module], Callable[[], Any]]] = {
     # cat of an empty key/value cache with the keys (GPT-2, Qwen2), rotary cat along head dims (Qwen2),
     # the loss's label shift (pad + slice), depthwise convs (ConvNeXt): all split by batch.
-    "gpt2": (gpt2, hf_causal_batch, ["1f1b", "gpipe"]),
-    "qwen2": (qwen2, hf_causal_batch, ["1f1b"]),
-    "timm_convnext": (TimmConvNeXt, lambda: images(3, 32), ["1f1b"]),
+    "gpt2": (gpt2, hf_causal_batch),
+    "qwen2": (qwen2, hf_causal_batch),
+    "timm_convnext": (TimmConvNeXt, lambda: images(3, 32)),
+    # BatchNorm takes statistics per microbatch (4 of one row here); verify's single device cuts it alike.
+    "convnet": (ConvNet, lambda: images(3, 16)),
 }
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("name", "recipe"), [(name, recipe) for name, (_, _, recipes) in PIPELINED.items() for recipe in recipes])
+@pytest.mark.filterwarnings("ignore:BatchNorm features.1, features.5. under a pipeline:UserWarning")
+@pytest.mark.parametrize("recipe", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("name", list(PIPELINED))
 def test_user_model_pipelines_verify(name: str, recipe: str) -> None:
-    factory, batch, _ = PIPELINED[name]
+    factory, batch = PIPELINED[name]
     torch.manual_seed(0)
     module = factory()
     plan = _verified(module, batch(), recipe, WORLD_SIZE)
-    assert plan.pipeline is not None
+    assert plan.pipeline is not None and plan.pipeline.schedule.world_size == WORLD_SIZE
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("recipe", ["1f1b", "gpipe"])
+def test_batch_norm_under_a_pipeline_verifies_against_per_microbatch_statistics(recipe: str) -> None:
+    """A pipeline normalizes each microbatch with its own statistics (``verify.replica_reference``): the plan verifies
+    against one device whose BatchNorm is cut at the microbatches' rows, and differs from one device normalizing the
+    whole batch at once."""
+    torch.manual_seed(0)
+    module = ConvNet()
+    with pytest.warns(UserWarning, match=r"BatchNorm features\.1, features\.5: under a pipeline each microbatch"):
+        plan = lnn.parallelize(module, images(3, 16), recipe, WORLD_SIZE, step="training_step")
+    assert plan.pipeline.schedule.microbatches == ROWS  # one row each
+    report = plan.verify()
+    whole_batch = plan.graph  # BatchNorm over all ROWS rows, as one device without microbatches
+    inputs = bind_inputs(plan.graph, module, images(3, 16), step="training_step")
+    whole_loss = float(evaluate(whole_batch, inputs, backward_from=plan.graph.outputs[:1]).outputs[plan.graph.outputs[0]])
+    assert report.loss == pytest.approx(report.reference_loss, rel=1e-5) and report.loss != pytest.approx(whole_loss, rel=1e-4)
 
 
 PACKED_QKV = {
