@@ -480,8 +480,8 @@ def test_zoo_module_verifies_or_is_refused_with_a_reason(name: str, recipe: str,
     assert [logged_name for logged_name, _, _ in plan.logged.logs(report.values, 0)] == LOGGED.get(name, ["train_loss"])
 
 
-def _verified(module: nn.Module, batch: Any, recipe: str, world_size: int) -> lnn.Plan:
-    plan = lnn.parallelize(module, batch, recipe, world_size, step="training_step")
+def _verified(module: nn.Module, batch: Any, recipe: str, world_size: int, **params: Any) -> lnn.Plan:
+    plan = lnn.parallelize(module, batch, recipe, world_size, step="training_step", **params)
     report = plan.verify()
     assert report.world_size == world_size and report.loss == pytest.approx(report.reference_loss, rel=1e-4)
     assert report.parameters_checked == sum(1 for parameter in module.parameters() if parameter.requires_grad)
@@ -510,14 +510,16 @@ PIPELINED: dict[str, tuple[Callable[[], nn.Module], Callable[[], Any]]] = {
 
 @pytest.mark.timeout(120)
 @pytest.mark.filterwarnings("ignore:BatchNorm features.1, features.5. under a pipeline:UserWarning")
-@pytest.mark.parametrize("recipe", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("recipe", ["1f1b", "gpipe", "interleaved", "zb1", "hybrid3d"])
 @pytest.mark.parametrize("name", list(PIPELINED))
 def test_user_model_pipelines_verify(name: str, recipe: str) -> None:
+    """Every pipeline recipe (3f1b needs recycling passes these models do not have) plans and verifies them."""
     factory, batch = PIPELINED[name]
     torch.manual_seed(0)
     module = factory()
-    plan = _verified(module, batch(), recipe, WORLD_SIZE)
-    assert plan.pipeline is not None and plan.pipeline.schedule.world_size == WORLD_SIZE
+    params = {"dp": 1, "tp": 2, "pp": 2} if recipe == "hybrid3d" else {}
+    plan = _verified(module, batch(), recipe, WORLD_SIZE, **params)
+    assert plan.pipeline is not None and plan.pipeline.schedule.world_size == (2 if recipe == "hybrid3d" else WORLD_SIZE)
 
 
 @pytest.mark.timeout(120)
