@@ -2,7 +2,8 @@
 
 A ``Metric`` keeps Python state and runs data-dependent code (input checks, ``bincount``), which the
 captured step cannot hold. While the step is traced, each ``Metric`` of the module tree has its
-``forward`` (``self.train_acc(preds, target)``) and ``update`` replaced by a recorder: the call
+``forward`` (``self.train_acc(preds, target)``), ``update``, ``compute`` and ``reset`` replaced by a
+recorder: the call
 becomes a `MetricCall` whose tensor arguments are extra outputs of the traced step, and it returns a
 `MetricResult` that ``self.log`` may take (any other use is refused). After every step the strategy
 makes the same call on the real ``Metric``, eagerly, with this rank's data-parallel replica's values
@@ -85,10 +86,10 @@ class MetricRecorder:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
-        """Inside: every Metric's ``forward`` and ``update`` record their call instead of running."""
+        """Inside: every Metric's ``forward``, ``update``, ``compute`` and ``reset`` record their call instead of running."""
         replaced = []
         for path, metric in self.modules.items():
-            for method in ("forward", "update"):
+            for method in ("forward", "update", "compute", "reset"):
                 replaced.append((metric, method, metric.__dict__.get(method)))
                 setattr(metric, method, lambda *args, path=path, method=method, **kwargs: self.record(path, method, args, kwargs))
         try:

@@ -162,3 +162,33 @@ def test_a_value_that_does_not_depend_on_the_batch_is_computed_whole() -> None:
     for replica in range(2):
         ((name, value, _),) = plan.logged.logs(report.values, replica)
         assert name == "head_norm" and float(value) == pytest.approx(float(module.head.weight.norm().detach()), rel=1e-6)
+
+
+def test_a_metric_computed_in_the_step_is_replayed_after_it_not_frozen() -> None:
+    import torchmetrics
+
+    class ComputesAccuracy(LogsMetrics):
+        def __init__(self) -> None:
+            super().__init__()
+            self.accuracy = torchmetrics.classification.Accuracy(task="multiclass", num_classes=VOCAB)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            logits = self(batch[0]).view(-1, VOCAB)
+            self.accuracy.update(logits, batch[1].view(-1))
+            self.log("accuracy_so_far", self.accuracy.compute())
+            return F.cross_entropy(logits, batch[1].view(-1))
+
+    module = ComputesAccuracy()
+    plan = lnn.parallelize(module, batch(), "dp", 2, step="training_step")
+    assert [call.method for call in plan.logged.metric_calls] == ["update", "compute"]
+    assert int(module.accuracy.tp.sum() + module.accuracy.fn.sum()) == 0  # tracing updated nothing
+    report = plan.verify()
+    tokens, targets = batch()
+    rows = len(tokens) // 2
+    for step in range(1, 3):  # each replay updates the real metric: the logged value is computed from its state then
+        ((name, value, _),) = plan.logged.logs(report.values, 0, module)
+        assert int(module.accuracy.tp.sum() + module.accuracy.fn.sum()) == step * targets[:rows].numel()
+        eager = torchmetrics.classification.Accuracy(task="multiclass", num_classes=VOCAB)
+        for _ in range(step):
+            eager.update(module(tokens[:rows]).view(-1, VOCAB), targets[:rows].view(-1))
+        assert name == "accuracy_so_far" and float(value) == pytest.approx(float(eager.compute()), rel=1e-6)
