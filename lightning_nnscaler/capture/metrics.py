@@ -51,11 +51,19 @@ class MetricResult:
         self.call = call
 
     def __getattr__(self, name: str) -> Any:
-        raise CaptureError(
-            "training_step uses the value a torchmetrics Metric's call returned (other than logging it): the metric is "
-            "updated after the step, outside the captured computation. Log it (self.log(name, value)) or the metric "
-            "object itself (self.log(name, metric)), and compute with tensors instead."
-        )
+        _refuse()
+
+
+def _refuse(*_: Any) -> Any:
+    raise CaptureError(
+        "training_step uses the value a torchmetrics Metric's call returned (other than logging it): the metric is "
+        "updated after the step, outside the captured computation. Log it (self.log(name, value)) or the metric "
+        "object itself (self.log(name, metric)), and compute with tensors instead."
+    )
+
+
+for _name in """add radd sub rsub mul rmul truediv rtruediv pow rpow neg bool float int index lt le gt ge eq ne""".split():
+    setattr(MetricResult, f"__{_name}__", _refuse)
 
 
 class MetricRecorder:

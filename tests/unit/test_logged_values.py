@@ -192,3 +192,19 @@ def test_a_metric_computed_in_the_step_is_replayed_after_it_not_frozen() -> None
         for _ in range(step):
             eager.update(module(tokens[:rows]).view(-1, VOCAB), targets[:rows].view(-1))
         assert name == "accuracy_so_far" and float(value) == pytest.approx(float(eager.compute()), rel=1e-6)
+
+
+def test_a_metric_value_used_in_the_loss_math_is_refused_naming_the_fix() -> None:
+    import torchmetrics
+
+    class WeighsByAccuracy(LogsMetrics):
+        def __init__(self) -> None:
+            super().__init__()
+            self.accuracy = torchmetrics.classification.Accuracy(task="multiclass", num_classes=VOCAB)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            logits = self(batch[0]).view(-1, VOCAB)
+            return F.cross_entropy(logits, batch[1].view(-1)) * (1 - self.accuracy(logits, batch[1].view(-1)))
+
+    with pytest.raises(CaptureError, match=r"uses the value a torchmetrics Metric's call returned .* Log it"):
+        lnn.parallelize(WeighsByAccuracy(), batch(), "dp", 2, step="training_step")
