@@ -17,6 +17,7 @@ from lightning_nnscaler.materialize.releases import Posted, send_releases
 from lightning_nnscaler.schedules import Action, lower, one_f_one_b
 from lightning_nnscaler.sim.costs import roofline_seconds
 from lightning_nnscaler.sim.specs import HardwareSpec
+from lightning_nnscaler.sim.symmetric import StandIn, representative_ranks
 from lightning_nnscaler.sim.tasks import Collective, Compute, Recv, Send, Task, WaitCollectives
 
 
@@ -45,8 +46,15 @@ class TransformerShape:
         return self.layers // pp * 12 * self.hidden**2 + table * ((stage == 0) + (stage == pp - 1))
 
 
-def transformer_task_lists(shape: TransformerShape, spec: HardwareSpec, *, dp: int, tp: int, pp: int) -> list[list[Task]]:
-    """Every rank's tasks for one 1F1B step of ``shape`` over ``dp × tp × pp`` ranks on ``spec``."""
+def transformer_task_lists(
+    shape: TransformerShape, spec: HardwareSpec, *, dp: int, tp: int, pp: int, representatives: bool = False,
+) -> list[list[Task]]:
+    """Every rank's tasks for one 1F1B step of ``shape`` over ``dp × tp × pp`` ranks on ``spec``.
+
+    ``representatives``: one list per stage instead, its replica 0's piece 0's (``sim.symmetric``): list ``i`` is
+    stage ``i``'s, its messages go to lists ``i ± 1`` and its collectives are over ``StandIn`` groups of itself
+    that stand for its whole tp and dp groups; ``pp`` lists whatever ``dp`` and ``tp``.
+    """
     microbatches = shape.global_batch // (dp * shape.microbatch_size)
     schedule = lower(one_f_one_b(pp, microbatches))
     stage_tasks = [_stage_tasks(shape, spec, stage, tp=tp, pp=pp) for stage in range(pp)]
@@ -54,17 +62,19 @@ def transformer_task_lists(shape: TransformerShape, spec: HardwareSpec, *, dp: i
     keys = [[_key(action) for action in column] for column in schedule.actions]
     released = _released_counts(schedule.actions)
     lists: list[list[Task]] = []
-    for rank in range(dp * tp * pp):
+    for rank in representative_ranks(tp=tp, pp=pp) if representatives else range(dp * tp * pp):
         replica, rest = divmod(rank, pp * tp)
         stage, piece = divmod(rest, tp)
         tp_group = tuple(range((replica * pp + stage) * tp, (replica * pp + stage + 1) * tp))
         dp_group = tuple((other * pp + stage) * tp + piece for other in range(dp))
+        if representatives:
+            tp_group, dp_group = StandIn(stage, tp_group), StandIn(stage, dp_group)
         forward_task, backward_task, optimizer, weight_bytes = stage_tasks[stage]
         tensor_parallel = Collective("all_reduce", tp_group, 2 * (shape.layers // pp) * activation)
         # a rank's list is its column's schedule with each action's tasks; the few distinct tasks are shared objects
         tasks_of = {"F": (forward_task, tensor_parallel), "B": (backward_task, tensor_parallel)}
         for column in {stage - 1, stage + 1} & set(range(pp)):
-            peer = (replica * pp + column) * tp + piece
+            peer = column if representatives else (replica * pp + column) * tp + piece
             tasks_of[column, "send"] = (Send(peer, activation),)
             # a receive drops the copies of the messages its sender had taken before sending it (materialize.releases)
             for count in set(released[stage]):

@@ -1,6 +1,7 @@
 """Plan search for a hypothetical cluster ("plan for 32 A100s from a laptop"): dp × tp × pp 1F1B plans of a
 transformer given by its shape (``sim.analytic``), simulated on a spec file's cluster; no graph is traced and
-no process started, so paper-scale models search in seconds.
+no process started, so paper-scale models search in seconds. A symmetric plan simulates one rank per stage
+(``sim.symmetric``): 16,384 GPUs in well under a second.
 
 Memory per rank: mixed-precision Adam keeps 16 bytes per parameter it holds (bf16 weights and gradients, fp32
 master weights and two moments; Rajbhandari et al. 2020, §3.1), plus the simulated peak of kept activations
@@ -15,11 +16,12 @@ from dataclasses import dataclass, replace
 
 from lightning_nnscaler.explain import human_bytes
 from lightning_nnscaler.sim.analytic import TransformerShape, transformer_task_lists
-from lightning_nnscaler.sim.results import Machine
+from lightning_nnscaler.sim.results import Machine, SimResult
 from lightning_nnscaler.sim.costs import CommModel
 from lightning_nnscaler.sim.search import divisors, memory_limit
 from lightning_nnscaler.sim.simulate import simulate
 from lightning_nnscaler.sim.specs import HardwareSpec, load_spec
+from lightning_nnscaler.sim.symmetric import SymmetricComm, expand, representative_ranks, symmetric_layout
 
 BYTES_PER_PARAMETER = 16  # bf16 weight + bf16 gradient + fp32 master weight, momentum, variance
 MICROBATCH_SIZES = (1, 2, 4)
@@ -67,15 +69,35 @@ def paper_shapes(global_batch: int = 128) -> dict[str, TransformerShape]:
     }
 
 
-def evaluate(shape: TransformerShape, spec: HardwareSpec, plan: ClusterPlan, limit: float) -> ClusterOutcome:
-    """Simulate ``plan`` of ``shape`` on ``spec``; over ``limit`` bytes on some rank is a reason."""
+def simulate_plan(shape: TransformerShape, spec: HardwareSpec, plan: ClusterPlan, *, symmetric: bool | None = None) -> SimResult:
+    """One step of ``plan`` of ``shape`` (at the plan's microbatch size) on ``spec``, every rank's stats.
+
+    ``symmetric``: simulate one representative rank per stage and let it stand for its replicas and tp peers
+    (``sim.symmetric``: ``pp`` task lists, the same result); None (the default) does so whenever the plan's
+    layout on ``spec``'s nodes is symmetric (``symmetric_layout``), False simulates rank by rank (for checking).
+
+    Raises:
+        ValueError: ``symmetric=True`` for a layout whose ranks of a stage meet different links.
+    """
     sized = replace(shape, microbatch_size=plan.microbatch_size)
-    lists = transformer_task_lists(sized, spec, dp=plan.dp, tp=plan.tp, pp=plan.pp)
-    result = simulate(lists, CommModel(spec), Machine(spec.ranks_per_node))
-    peaks = [
-        BYTES_PER_PARAMETER * sized.stage_parameters(rank // plan.tp % plan.pp, plan.pp) / plan.tp + stats.peak_live_bytes
-        for rank, stats in enumerate(result.ranks)
-    ]
+    layout = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp}
+    comm = CommModel(spec)
+    if symmetric is not False:
+        if symmetric_layout(spec.ranks_per_node, **layout):
+            lists = transformer_task_lists(sized, spec, **layout, representatives=True)
+            result = simulate(lists, SymmetricComm(comm, representative_ranks(tp=plan.tp, pp=plan.pp)), Machine(spec.ranks_per_node))
+            return expand(result, **layout)
+        if symmetric:
+            raise ValueError(f"{plan} is not symmetric on {spec.ranks_per_node} ranks per node: simulate it rank by rank")
+    return simulate(transformer_task_lists(sized, spec, **layout), comm, Machine(spec.ranks_per_node))
+
+
+def evaluate(shape: TransformerShape, spec: HardwareSpec, plan: ClusterPlan, limit: float, *, symmetric: bool | None = None) -> ClusterOutcome:
+    """Simulate ``plan`` of ``shape`` on ``spec`` (``simulate_plan``); over ``limit`` bytes on some rank is a reason."""
+    result = simulate_plan(shape, spec, plan, symmetric=symmetric)
+    parameters = [shape.stage_parameters(stage, plan.pp) for stage in range(plan.pp)]
+    peaks = [BYTES_PER_PARAMETER * parameters[rank // plan.tp % plan.pp] / plan.tp + stats.peak_live_bytes
+             for rank, stats in enumerate(result.ranks)]
     peak = max(peaks)
     reason = f"peak {human_bytes(peak)} is over the {human_bytes(limit)} limit" if peak > limit else ""
     return ClusterOutcome(plan, result.step_seconds, peak, reason)
