@@ -10,7 +10,9 @@
 - ``meter``: the saved-for-backward peak metered while a program runs. What autograd saves per op
   (``ir.saved``, measured on ``meta``) and the activation bytes a rank keeps (``materialize.kept``)
   live below, since ``explain`` counts with them too.
-- ``analytic``: dp × tp × pp transformer plans built from shapes alone (GPT-3 175B on 1024 GPUs).
+- ``analytic``: dp × tp × pp transformer plans built from shapes alone (GPT-3 175B on 1024 GPUs);
+  ``cluster`` simulates them and searches them, and ``symmetric`` simulates one representative rank
+  per pipeline stage, its collectives priced for their whole groups.
 """
 
 from lightning_nnscaler.sim.costs import CommModel, OpTime, Roofline, op_work
