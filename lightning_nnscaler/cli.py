@@ -10,6 +10,8 @@
     lightning-nnscaler ckpt info DIR           a sharded checkpoint's plan, files and leftovers (or a plain file's summary)
     lightning-nnscaler ckpt info --verify DIR  the same, after reading and checking every file (sizes, hashes, save tokens)
     lightning-nnscaler ckpt merge DIR OUT      a sharded checkpoint as one plain Lightning checkpoint file (every file checked)
+    lightning-nnscaler ckpt merge --format safetensors [--max-shard-size 5GB] [--strip-prefix model.] DIR OUT
+                                               the model weights as a Hugging Face safetensors directory, tensor by tensor
 
 A damaged checkpoint exits with status 2 and one line naming the file, what is wrong and what to do.
 As under ``python -m``, modules in the current directory are importable (``--import my_recipes``,
@@ -32,6 +34,7 @@ from typing import Any, Optional, Sequence
 from lightning_nnscaler.app.imports import IMPORT_ENVIRONMENT, ImportFailed, environment_modules, import_modules, put_working_directory_on_path
 
 CATALOG_MODULE = "lightning_nnscaler.plans.catalog"
+MERGE_DEFAULT_SHARD_SIZE = "5GB"  # checkpoint.export.DEFAULT_MAX_SHARD_SIZE (not imported: --help imports no torch)
 ONE_LINE_ERRORS = (
     ("lightning_nnscaler.checkpoint.integrity", "CheckpointError"), (CATALOG_MODULE, "RecipeError"), ("lightning_nnscaler.app.config", "ConfigError"),
 )
@@ -79,6 +82,18 @@ def _ckpt_info(arguments: argparse.Namespace) -> None:
 def _ckpt_merge(arguments: argparse.Namespace) -> None:
     from lightning_nnscaler import checkpoint
 
+    if arguments.format == "safetensors":
+        try:
+            written = checkpoint.export_safetensors(
+                arguments.directory, arguments.output, max_shard_size=arguments.max_shard_size, strip_prefix=arguments.strip_prefix
+            )
+        except ValueError as error:  # a --max-shard-size that is no size
+            raise checkpoint.CheckpointError(f"--max-shard-size: {error}") from None
+        print(f"wrote {arguments.output}: the model weights as Hugging Face safetensors ({', '.join(written)})")
+        return
+    if arguments.strip_prefix or arguments.max_shard_size != MERGE_DEFAULT_SHARD_SIZE:
+        print("lightning-nnscaler: --strip-prefix and --max-shard-size apply to --format safetensors only", file=sys.stderr)
+        raise SystemExit(2)
     checkpoint.merge(arguments.directory, arguments.output)
     print(f"wrote {arguments.output}: a plain Lightning checkpoint (loads with any strategy, e.g. strategy='auto')")
 
@@ -135,9 +150,16 @@ def parser() -> argparse.ArgumentParser:
     info.add_argument("directory")
     info.add_argument("--verify", action="store_true", help="read every file and check its size, content hash and save token")
     info.set_defaults(run=_ckpt_info)
-    merge = ckpt.add_parser("merge", help="write a sharded checkpoint as one plain Lightning checkpoint file")
+    merge = ckpt.add_parser("merge", help="write a sharded checkpoint as one plain Lightning checkpoint file, or its weights as safetensors")
     merge.add_argument("directory", help="the sharded checkpoint directory (e.g. epoch=0-step=10.ckpt)")
-    merge.add_argument("output", help="the file to write, e.g. model.ckpt")
+    merge.add_argument("output", help="the file to write, e.g. model.ckpt; with --format safetensors a new (or empty) directory")
+    merge.add_argument(
+        "--format", choices=("ckpt", "safetensors"), default="ckpt",
+        help="ckpt (default): the whole Lightning checkpoint (optimizer states too) in one file; safetensors: the model weights "
+        "alone as a Hugging Face directory (model.safetensors, or shards and model.safetensors.index.json), streamed tensor by tensor",
+    )
+    merge.add_argument("--max-shard-size", default=MERGE_DEFAULT_SHARD_SIZE, help="safetensors: the largest shard, e.g. 5GB (default), 500MB, 2GiB")
+    merge.add_argument("--strip-prefix", default=None, help="safetensors: remove this prefix from every key, e.g. 'model.' for an HF model held as self.model")
     merge.set_defaults(run=_ckpt_merge)
     return root
 

@@ -28,6 +28,12 @@ optimizer's ``state_dict`` over the whole module) from all the rank files, whate
 them (``assemble``); the strategy then cuts it into the new plan's pieces. ``merge`` writes that
 assembly as one plain file which loads with ``strategy="auto"``. Every load is
 ``torch.load(weights_only=True)``.
+
+Streaming (``model_tensors``, ``export_safetensors``): the model weights alone, one full tensor at a
+time from the memory-mapped rank files (their hashes checked through the mapping, not copied), so the
+memory held is about the largest tensor; ``export_safetensors`` writes them as a Hugging Face
+safetensors directory (``export``). ``merge`` to a ``.ckpt`` file still assembles everything (the
+optimizer states too) in memory: ``torch.save`` pickles one dict.
 """
 
 from __future__ import annotations
@@ -35,11 +41,12 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from lightning_nnscaler.checkpoint.assemble import assemble_model_state, full_optimizer_state
+from lightning_nnscaler.checkpoint.assemble import assemble_model_state, full_optimizer_state, stream_model_state
+from lightning_nnscaler.checkpoint.export import DEFAULT_MAX_SHARD_SIZE, check_output, write_safetensors
 from lightning_nnscaler.checkpoint.integrity import CheckpointError, check_file, torch_load, torch_load_mapped, write_hashed
 from lightning_nnscaler.checkpoint.layout import (
     COMMON, FORMAT, METADATA, POINTER, README, SAVE_RECORD, VERSION, commit, current_save, enclosing_checkpoint, foreign_entries,
@@ -51,7 +58,7 @@ from lightning_nnscaler.ir.box import PieceLocation
 
 __all__ = [
     "COMMON", "FORMAT", "METADATA", "POINTER", "README", "SAVE_RECORD", "VERSION", "CheckpointError", "check_target", "claim", "commit",
-    "current_save", "describe", "foreign_entries", "is_sharded_checkpoint", "leftovers", "load", "merge", "merge_hint", "open_merged",
+    "current_save", "describe", "export_safetensors", "foreign_entries", "is_sharded_checkpoint", "leftovers", "load", "merge", "merge_hint", "model_tensors", "open_merged",
     "partial_directory", "rank_file_name", "rank_payload", "read_metadata", "remove_leftovers", "required_files", "save_directory",
     "write_atomically", "write_readme",
 ]
@@ -160,6 +167,48 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
             for index, saved in enumerate(checkpoint["optimizer_states"])
         ]
     return checkpoint
+
+
+def _checked_rank_files(path: str | os.PathLike) -> tuple[dict[str, Any], list[tuple[Path, dict[str, Any]]]]:
+    """The metadata and every rank file, each checked (size, content hash, save record) and memory-mapped."""
+    if Path(path).is_file():
+        _load_plain(Path(path))
+        raise CheckpointError(f"{path} is a plain Lightning checkpoint (one file), not a sharded directory: read its state_dict with torch.load")
+    directory, metadata = current_save(path)
+    world_size = metadata["world_size"]
+    return metadata, [
+        (directory / name, _read_file(directory, name, metadata, f"rank {rank}'s pieces"))
+        for rank, name in enumerate(rank_file_name(rank, world_size) for rank in range(world_size))
+    ]
+
+
+def model_tensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """The single-device ``state_dict`` of a sharded checkpoint as ``(key, tensor)``, one tensor assembled at a time
+    (``assemble.stream_model_state``): every rank file is checked first; a tensor may be a view of a mapped file.
+
+    Raises:
+        CheckpointError: see ``load``.
+    """
+    metadata, rank_files = _checked_rank_files(path)
+    yield from stream_model_state(metadata, rank_files, Path(path))
+
+
+def export_safetensors(
+    path: str | os.PathLike, output: str | os.PathLike, *, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, strip_prefix: str | None = None
+) -> list[str]:
+    """Write the model weights of the sharded checkpoint at ``path`` as a Hugging Face safetensors directory ``output``
+    (``model.safetensors``, or shards of at most ``max_shard_size`` and ``model.safetensors.index.json``), streamed
+    tensor by tensor; keys lose ``strip_prefix`` (e.g. ``"model."``). Returns the files written.
+
+    Raises:
+        CheckpointError: ``output`` exists and is not an empty directory (checked before reading), ``path`` is damaged,
+            or see ``export.write_safetensors``.
+    """
+    check_output(Path(output))
+    metadata, rank_files = _checked_rank_files(path)
+    return write_safetensors(
+        metadata, stream_model_state(metadata, rank_files, Path(path)), output, max_shard_size=max_shard_size, strip_prefix=strip_prefix
+    )
 
 
 def describe(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:

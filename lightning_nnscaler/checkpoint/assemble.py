@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from lightning_nnscaler.checkpoint.integrity import CheckpointError
-from lightning_nnscaler.ir.box import Box, PieceLocation, region
+from lightning_nnscaler.ir.box import Box, PieceLocation, full_box, region
 
 
 def _location(piece: dict[str, Any], shapes: dict[str, tuple[int, ...]], file: Path) -> PieceLocation:
@@ -52,12 +52,7 @@ def assemble_model_state(metadata: dict[str, Any], rank_files: list[tuple[Path, 
     for file, payload in rank_files:
         for piece in payload["model"]:
             location = _location(piece, shapes, file)
-            key, value = location.state_key, piece.get("value")
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != location.shape:
-                found = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                raise CheckpointError(
-                    f"{file}: the piece {location.box} of {key!r} is {found}, not {list(location.shape)}: the file is damaged; load another checkpoint"
-                )
+            key, value = location.state_key, _checked_value(piece, location, file)
             if key not in state:
                 state[key] = torch.empty(shapes[key], dtype=getattr(torch, metadata["dtypes"][key]))
                 covered[key] = torch.zeros(shapes[key], dtype=torch.bool)
@@ -72,6 +67,58 @@ def assemble_model_state(metadata: dict[str, Any], rank_files: list[tuple[Path, 
         if key not in covered or not bool(covered[key].all()):
             raise CheckpointError(f"{path}: the rank files do not hold all of {key!r}; the checkpoint is damaged, load another")
     return {key: state[key] for key in metadata["state_keys"]}
+
+
+def _checked_value(piece: dict[str, Any], location: PieceLocation, file: Path) -> torch.Tensor:
+    """The piece's tensor, checked to have its location's shape.
+
+    Raises:
+        CheckpointError: not a tensor, or of another shape.
+    """
+    value = piece.get("value")
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != location.shape:
+        found = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise CheckpointError(
+            f"{file}: the piece {location.box} of {location.state_key!r} is {found}, not {list(location.shape)}: the file is damaged; load another checkpoint"
+        )
+    return value
+
+
+def stream_model_state(metadata: dict[str, Any], rank_files: list[tuple[Path, dict[str, Any]]], path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The full state_dict as ``(key, tensor)`` in key order, one tensor assembled at a time (``ckpt merge --format safetensors``).
+
+    Only the pieces' locations are indexed up front; a tensor is put together when its turn comes, so
+    with memory-mapped rank files the memory held is one tensor (and its coverage mask). A tensor one
+    piece holds whole is yielded as it lies in the file, a view of the mapping: copy what you keep.
+    A tied key is yielded again, from its group's pieces.
+
+    Raises:
+        CheckpointError: a piece of the wrong shape, or an element of some tensor in no piece (raised when its turn comes).
+    """
+    shapes = {key: tuple(shape) for key, shape in metadata["shapes"].items()}
+    pieces: dict[str, list[tuple[PieceLocation, torch.Tensor]]] = defaultdict(list)
+    for file, payload in rank_files:
+        for piece in payload["model"]:
+            location = _location(piece, shapes, file)
+            pieces[location.state_key].append((location, _checked_value(piece, location, file)))
+    source = {key: next((tied for tied in group if tied in pieces), key) for group in metadata["tied"] for key in group}
+    for key in metadata["state_keys"]:
+        dtype = getattr(torch, metadata["dtypes"][key])
+        yield key, _one_tensor(pieces.get(source.get(key, key), []), shapes[key], dtype, f"{path}: the rank files do not hold all of {key!r}")
+
+
+def _one_tensor(pieces: list[tuple[PieceLocation, torch.Tensor]], shape: tuple[int, ...], dtype: torch.dtype, missing: str) -> torch.Tensor:
+    """One full tensor from its pieces (boxes): the piece itself when one covers it all, else a new tensor filled piece by piece."""
+    whole = next((value for location, value in pieces if location.box == full_box(shape) and location.chunk is None), None)
+    if whole is not None:
+        return whole.to(dtype)
+    tensor, covered = torch.empty(shape, dtype=dtype), torch.zeros(shape, dtype=torch.bool)
+    for location, value in pieces:
+        tensor[location.region()] = value
+        covered[location.region()] = True
+    if not bool(covered.all()):
+        raise CheckpointError(f"{missing}; the checkpoint is damaged, load another")
+    return tensor
 
 
 def full_optimizer_state(
