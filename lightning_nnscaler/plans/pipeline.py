@@ -47,6 +47,7 @@ from lightning_nnscaler.plans.recompute import op_recompute
 from lightning_nnscaler.primitives import TransformError, op_assign, op_orders, op_trans
 from lightning_nnscaler.plans.interlaced import SharedLayers, find_shared_layers, gather_lookups, vocabulary_choice, vocabulary_parallel_losses
 from lightning_nnscaler.schedules import Schedule, gpipe, interlaced, interleaved, lower, one_f_one_b, three_f_one_b, validate, zb1
+from lightning_nnscaler.schedules.csv_import import parse_table, read_csv
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1", "3f1b", "interlaced")
 _MATMULS = {"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default", "aten.addmm.default"}
@@ -59,23 +60,27 @@ PROLOGUE_STAGE = PROLOGUE[0]
 def gpipe_plan(
     graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None, layers_per_stage: str | None = None,
     recompute_stages: str | None = None, coshard_stages: str | None = None, shards: int = 2,
+    schedule_csv: str | None = None,
 ) -> None:
     """GPipe (Huang et al. 2019): all forwards, then all backwards; ``stages`` ranks (default: all)."""
     pipeline(
         graph, ctx, schedule="gpipe", stages=stages, microbatches=microbatches, layers_per_stage=layer_counts(layers_per_stage),
         recompute_stages=stage_indices(recompute_stages), **_coshard(coshard_stages, shards),
+        schedule_csv=schedule_csv,
     )
 
 
 def one_f_one_b_plan(
     graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None, layers_per_stage: str | None = None,
     recompute_stages: str | None = None, coshard_stages: str | None = None, shards: int = 2,
+    schedule_csv: str | None = None,
 ) -> None:
     """1F1B (PipeDream-Flush): warm-up forwards, then one forward one backward; at most p microbatches stashed
     (``p - r`` on stage ``r``, so recomputing the first stages saves the most)."""
     pipeline(
         graph, ctx, schedule="1f1b", stages=stages, microbatches=microbatches, layers_per_stage=layer_counts(layers_per_stage),
         recompute_stages=stage_indices(recompute_stages), **_coshard(coshard_stages, shards),
+        schedule_csv=schedule_csv,
     )
 
 
@@ -94,12 +99,14 @@ def interleaved_plan(
 def zb1_plan(
     graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None, layers_per_stage: str | None = None,
     recompute_stages: str | None = None, coshard_stages: str | None = None, shards: int = 2,
+    schedule_csv: str | None = None,
 ) -> None:
     """Zero-bubble ZB-H1 (Qi et al. 2024): backward split into input gradients (B) and weight gradients (W).
     A recomputed stage runs its forward again in B and again in W (each backward pass recomputes)."""
     pipeline(
         graph, ctx, schedule="zb1", stages=stages, microbatches=microbatches, layers_per_stage=layer_counts(layers_per_stage),
         recompute_stages=stage_indices(recompute_stages), **_coshard(coshard_stages, shards),
+        schedule_csv=schedule_csv,
     )
 
 
@@ -195,7 +202,7 @@ def pipeline(
     graph: Graph, ctx: PlanContext, *, schedule: str, stages: int | None = None, microbatches: int | None = None,
     virtual_stages: int = 1, dp: int | None = None, tp: int = 1, shared_layers: Sequence[str] | None = None,
     layers_per_stage: Sequence[int] | None = None, recompute_stages: Sequence[int] | None = None,
-    coshard_stages: Sequence[int] | None = None, shards: int = 2,
+    coshard_stages: Sequence[int] | None = None, shards: int = 2, schedule_csv: str | None = None,
 ) -> None:
     """Plan ``graph`` as a pipeline (see the module docstring); sets ``ctx.pipeline``.
 
@@ -217,6 +224,8 @@ def pipeline(
             per rank (times ``tp``), run one after another, each recomputed alone (``plans.coshard``). Not
             for 3f1b or interlaced, nor for a stage also in ``recompute_stages``.
         shards: Pieces per rank of each split on the ``coshard_stages`` (at least 2).
+        schedule_csv: A per-rank action table in torch.distributed.pipelining's CSV format run instead of
+            ``schedule``'s generator (``imported_schedule``); it fixes the microbatches and the stages per rank.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -249,15 +258,18 @@ def pipeline(
             f"pipeline: stage {', '.join(map(str, both))} is in both recompute_stages and coshard_stages; "
             "a co-sharded stage already recomputes, one shard at a time: name it in one of them"
         )
+    imported = imported_schedule(schedule, schedule_csv, pp, microbatches) if schedule_csv is not None else None
+    if imported is not None:
+        microbatches, virtual_stages = imported.microbatches, imported.stages // pp
     batch = _batch_rows(graph)
     if batch % dp:
         raise ValueError(f"pipeline: the batch ({batch} rows) must divide into {dp} data-parallel replicas")
-    multiple_of = pp if virtual_stages > 1 else 1
+    multiple_of = pp if virtual_stages > 1 and imported is None else 1
     chosen = microbatches is None
     if chosen:
         microbatches = default_microbatches(batch // dp, pp, multiple_of=multiple_of)
     check_microbatches(schedule, batch // dp, microbatches, multiple_of, chosen=chosen)
-    order = _schedule(schedule, pp, microbatches, virtual_stages)
+    order = imported or _schedule(schedule, pp, microbatches, virtual_stages)
     validate(lower(order))
     shared = None
     if schedule == "interlaced":
@@ -482,6 +494,27 @@ def _schedule(name: str, stages: int, microbatches: int, virtual_stages: int) ->
     if name == "interlaced":
         return interlaced(stages, microbatches)
     return interleaved(stages, virtual_stages, microbatches)
+
+
+def imported_schedule(schedule: str, path: str, pp: int, microbatches: int | None) -> Schedule:
+    """The table at ``path`` (``schedules.csv_import``: parsed, checked, validated) for ``pp`` pipeline ranks.
+
+    Raises:
+        ValueError: naming ``schedule_csv`` when the file cannot be read, the table is malformed or has
+            another number of rows or microbatches, its stages do not split evenly over the ranks, or
+            ``schedule`` places stages of its own (3f1b, interlaced); ``ScheduleError`` (with the grid) when
+            its order cannot run.
+    """
+    if schedule in ("3f1b", "interlaced"):
+        raise ValueError(f"{schedule}: schedule_csv is not supported (its forward-only or shared stages are placed by the recipe)")
+    try:
+        rows = read_csv(path)
+    except OSError as error:
+        raise ValueError(f"schedule_csv: cannot read {path!r}: {error}") from None
+    order = parse_table(rows, source=f"schedule_csv {path!r}", ranks=pp, microbatches=microbatches)
+    if order.stages % pp:
+        raise ValueError(f"schedule_csv {path!r}: its {order.stages} stages must split evenly over its {pp} ranks (as many per rank)")
+    return order
 
 
 def _rank(grid: DeviceGrid, replica: int, column: int, position: int) -> int:

@@ -1,11 +1,12 @@
 """Pipeline schedules as plain data (DESIGN.md §8): generators, lowering, validation, rendering, metrics.
 
 A generator gives compute-only per-rank lists (``one_f_one_b(4, 8).as_text()``); ``lower`` inserts the
-SEND/RECV actions; ``validate`` runs all lists symbolically and raises ``ScheduleError`` with the
+SEND/RECV actions; ``load_csv`` imports a per-rank table in torch's CSV format; ``validate`` runs all lists symbolically and raises ``ScheduleError`` with the
 step × rank grid when the schedule would hang or mispair messages. Nothing here imports torch.
 """
 
 from lightning_nnscaler.schedules.actions import SHARED, Action, Kind, Schedule, Timeline
+from lightning_nnscaler.schedules.csv_import import format_csv, load_csv, parse_table
 from lightning_nnscaler.schedules.gpipe import gpipe
 from lightning_nnscaler.schedules.interlaced import interlaced
 from lightning_nnscaler.schedules.interleaved import interleaved
@@ -27,12 +28,15 @@ __all__ = [
     "Timeline",
     "bubble_fraction",
     "execute",
+    "format_csv",
     "gpipe",
     "grid",
     "interlaced",
     "interleaved",
+    "load_csv",
     "lower",
     "one_f_one_b",
+    "parse_table",
     "peak_in_flight",
     "theoretical_bubble_fraction",
     "three_f_one_b",
