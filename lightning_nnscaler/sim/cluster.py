@@ -6,6 +6,9 @@ no process started, so paper-scale models search in seconds. A symmetric plan si
 Memory per rank: mixed-precision Adam keeps 16 bytes per parameter it holds (bf16 weights and gradients, fp32
 master weights and two moments; Rajbhandari et al. 2020, §3.1), plus the simulated peak of kept activations
 and the copies of the messages the rank has sent (the runtime holds them until the step's end, ``sim.tasks``).
+Under ZeRO-1 the 12 bytes of fp32 state per parameter are divided by dp. A plan also says its activation
+recompute and sequence parallelism (``analytic.Recipe``); ``search_cluster`` tries each, so under a memory limit
+it picks recompute or ZeRO-1 where the plain plan does not fit.
 The reference models' paper configurations map to shapes by ``paper_shapes`` (approximations stated there).
 """
 
@@ -15,7 +18,7 @@ import time
 from dataclasses import dataclass, replace
 
 from lightning_nnscaler.explain import human_bytes
-from lightning_nnscaler.sim.analytic import TransformerShape, transformer_task_lists
+from lightning_nnscaler.sim.analytic import OPTIMIZER_STATE_BYTES, RECOMPUTE_MODES, Recipe, TransformerShape, transformer_task_lists
 from lightning_nnscaler.sim.results import Machine, SimResult
 from lightning_nnscaler.sim.costs import CommModel
 from lightning_nnscaler.sim.search import divisors, memory_limit
@@ -29,15 +32,38 @@ MICROBATCH_SIZES = (1, 2, 4)
 
 @dataclass(frozen=True)
 class ClusterPlan:
-    """A dp × tp × pp 1F1B plan (rank = (replica · pp + stage) · tp + piece, as ``hybrid3d``)."""
+    """A dp × tp × pp 1F1B plan (rank = (replica · pp + stage) · tp + piece, as ``hybrid3d``), with activation
+    ``recompute`` (none, selective, full), ``zero1`` (the distributed optimizer) and ``sequence_parallel``
+    (``analytic.Recipe``; the defaults: none of them)."""
 
     dp: int
     tp: int
     pp: int
     microbatch_size: int
+    recompute: str = "none"
+    zero1: bool = False
+    sequence_parallel: bool = False
+
+    @property
+    def recipe(self) -> Recipe:
+        return Recipe(recompute=self.recompute, zero1=self.zero1, sequence_parallel=self.sequence_parallel)
 
     def __str__(self) -> str:
-        return f"dp {self.dp} × tp {self.tp} × pp {self.pp}, microbatch {self.microbatch_size}"
+        extras = [f"{self.recompute} recompute"] * (self.recompute != "none") + ["ZeRO-1"] * self.zero1 + ["sp"] * self.sequence_parallel
+        return f"dp {self.dp} × tp {self.tp} × pp {self.pp}, microbatch {self.microbatch_size}" + "".join(f", {extra}" for extra in extras)
+
+
+def state_bytes(shape: TransformerShape, plan: ClusterPlan, stage: int) -> float:
+    """Bytes of weights, gradients and optimizer state on one rank of ``stage``: ``BYTES_PER_PARAMETER`` per
+    parameter it holds (÷ tp), the fp32 part (``optimizer_state_bytes``) ÷ dp under ZeRO-1."""
+    if not plan.zero1:
+        return BYTES_PER_PARAMETER * shape.stage_parameters(stage, plan.pp) / plan.tp
+    return (BYTES_PER_PARAMETER - OPTIMIZER_STATE_BYTES) * shape.stage_parameters(stage, plan.pp) / plan.tp + optimizer_state_bytes(shape, plan, stage)
+
+
+def optimizer_state_bytes(shape: TransformerShape, plan: ClusterPlan, stage: int) -> float:
+    """fp32 master weights and Adam moments on one rank of ``stage``: 12 bytes per parameter it holds, ÷ dp under ZeRO-1."""
+    return OPTIMIZER_STATE_BYTES * shape.stage_parameters(stage, plan.pp) / (plan.tp * (plan.dp if plan.zero1 else 1))
 
 
 @dataclass
@@ -84,46 +110,51 @@ def simulate_plan(shape: TransformerShape, spec: HardwareSpec, plan: ClusterPlan
     comm = CommModel(spec)
     if symmetric is not False:
         if symmetric_layout(spec.ranks_per_node, **layout):
-            lists = transformer_task_lists(sized, spec, **layout, representatives=True)
+            lists = transformer_task_lists(sized, spec, **layout, representatives=True, recipe=plan.recipe)
             result = simulate(lists, SymmetricComm(comm, representative_ranks(tp=plan.tp, pp=plan.pp)), Machine(spec.ranks_per_node))
             return expand(result, **layout)
         if symmetric:
             raise ValueError(f"{plan} is not symmetric on {spec.ranks_per_node} ranks per node: simulate it rank by rank")
-    return simulate(transformer_task_lists(sized, spec, **layout), comm, Machine(spec.ranks_per_node))
+    return simulate(transformer_task_lists(sized, spec, **layout, recipe=plan.recipe), comm, Machine(spec.ranks_per_node))
 
 
 def evaluate(shape: TransformerShape, spec: HardwareSpec, plan: ClusterPlan, limit: float, *, symmetric: bool | None = None) -> ClusterOutcome:
     """Simulate ``plan`` of ``shape`` on ``spec`` (``simulate_plan``); over ``limit`` bytes on some rank is a reason."""
     result = simulate_plan(shape, spec, plan, symmetric=symmetric)
-    parameters = [shape.stage_parameters(stage, plan.pp) for stage in range(plan.pp)]
-    peaks = [BYTES_PER_PARAMETER * parameters[rank // plan.tp % plan.pp] / plan.tp + stats.peak_live_bytes
-             for rank, stats in enumerate(result.ranks)]
+    states = [state_bytes(shape, plan, stage) for stage in range(plan.pp)]
+    peaks = [states[rank // plan.tp % plan.pp] + stats.peak_live_bytes for rank, stats in enumerate(result.ranks)]
     peak = max(peaks)
     reason = f"peak {human_bytes(peak)} is over the {human_bytes(limit)} limit" if peak > limit else ""
     return ClusterOutcome(plan, result.step_seconds, peak, reason)
 
 
-def cluster_plans(shape: TransformerShape, world_size: int, ranks_per_node: int) -> list[ClusterPlan]:
+def cluster_plans(shape: TransformerShape, world_size: int, ranks_per_node: int, *, recipes: bool = True) -> list[ClusterPlan]:
     """dp × tp × pp over ``world_size`` ranks: tp divides the heads and stays in a node, pp divides the blocks,
-    dp and the microbatch size divide the batch."""
+    dp and the microbatch size divide the batch; ``recipes``: each also with every activation recompute, with
+    and without ZeRO-1 (dp > 1) and sequence parallelism (tp > 1)."""
     found = []
     for tp in [value for value in divisors(world_size) if value <= ranks_per_node and shape.heads % value == 0]:
         for pp in [value for value in divisors(world_size // tp) if shape.layers % value == 0]:
             dp = world_size // (tp * pp)
             for size in MICROBATCH_SIZES:
                 if shape.global_batch % (dp * size) == 0:
-                    found.append(ClusterPlan(dp, tp, pp, size))
+                    found += [ClusterPlan(dp, tp, pp, size, recompute, zero1, sp)
+                              for recompute in (RECOMPUTE_MODES if recipes else ("none",))
+                              for zero1 in ((False, True) if recipes and dp > 1 else (False,))
+                              for sp in ((False, True) if recipes and tp > 1 else (False,))]
     return found
 
 
 def search_cluster(
     shape: TransformerShape, spec: HardwareSpec | str, world_size: int, *, memory_limit_gb: float | None = None,
+    recipes: bool = True,
 ) -> tuple[list[ClusterOutcome], float]:
-    """Every ``cluster_plans`` candidate simulated: those that fit fastest first, then the others; and the seconds taken."""
+    """Every ``cluster_plans`` candidate simulated (``recipes``: with each recompute, ZeRO-1 and sequence
+    parallelism too): those that fit fastest first, then the others; and the seconds taken."""
     start = time.perf_counter()
     hardware = load_spec(spec) if isinstance(spec, str) else spec
     limit = memory_limit(hardware, memory_limit_gb)
-    outcomes = [evaluate(shape, hardware, plan, limit) for plan in cluster_plans(shape, world_size, hardware.ranks_per_node)]
+    outcomes = [evaluate(shape, hardware, plan, limit) for plan in cluster_plans(shape, world_size, hardware.ranks_per_node, recipes=recipes)]
     outcomes.sort(key=lambda outcome: (bool(outcome.reason), outcome.step_seconds))
     return outcomes, time.perf_counter() - start
 
