@@ -153,7 +153,7 @@ def head_to_head(rows: list[dict[str, Any]], rounds: int, steps: int) -> None:
 def cluster_table(world_size: int = 32) -> None:
     """Part (b): searched plans of paper-scale models on ``world_size`` simulated A100s against Megatron tp 8 × pp 4."""
     print(f"{world_size} × A100 (simulated, sim/specs/a100.yaml; analytic shapes, batch 128 samples, bf16, 1F1B):")
-    print(f"{'model':<34} {'searched plan':<36} {'s/step':>7} {'peak GB':>7} | {'Megatron tp 8 × pp 4':<20} {'s/step':>7} {'peak GB':>7} | "
+    print(f"{'model':<34} {'searched plan':<60} {'s/step':>7} {'peak GB':>7} | {'Megatron tp 8 × pp 4':<20} {'s/step':>7} {'peak GB':>7} | "
           f"{'speed-up':>8} {'search s':>8}")
     for name, shape in paper_shapes().items():
         outcomes, seconds = search_cluster(shape, "a100", world_size)
@@ -162,7 +162,7 @@ def cluster_table(world_size: int = 32) -> None:
             print(f"{name:<34} no plan fits: {best.reason}")
             continue
         baseline = megatron_baseline(shape, "a100", world_size)
-        print(f"{name:<34} {str(best.plan):<36} {best.step_seconds:>7.3f} {best.peak_bytes / 1e9:>7.1f} | {'':<20} "
+        print(f"{name:<34} {str(best.plan):<60} {best.step_seconds:>7.3f} {best.peak_bytes / 1e9:>7.1f} | {'':<20} "
               f"{baseline.step_seconds:>7.3f} {baseline.peak_bytes / 1e9:>7.1f} | {baseline.step_seconds / best.step_seconds:>7.2f}× {seconds:>8.1f}")
 
 
