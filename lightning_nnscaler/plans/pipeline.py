@@ -48,8 +48,10 @@ from lightning_nnscaler.primitives import TransformError, op_assign, op_orders, 
 from lightning_nnscaler.plans.interlaced import SharedLayers, find_shared_layers, gather_lookups, vocabulary_choice, vocabulary_parallel_losses
 from lightning_nnscaler.schedules import Schedule, gpipe, interlaced, interleaved, lower, one_f_one_b, three_f_one_b, validate, zb1
 from lightning_nnscaler.schedules.csv_import import parse_table, read_csv
+from lightning_nnscaler.schedules.v_shape import v_half, zbv
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1", "3f1b", "interlaced")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1", "3f1b", "interlaced", "zbv", "vhalf")
+V_SCHEDULES = {"zbv": zbv, "vhalf": v_half}  # 2 stages per rank, rank r holds r and 2p - 1 - r (schedules.v_shape)
 _MATMULS = {"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default", "aten.addmm.default"}
 _ATTENTION = {"aten.scaled_dot_product_attention.default", "aten._scaled_dot_product_flash_attention_for_cpu.default"}
 
@@ -207,7 +209,7 @@ def pipeline(
     """Plan ``graph`` as a pipeline (see the module docstring); sets ``ctx.pipeline``.
 
     Args:
-        schedule: One of ``SCHEDULES``.
+        schedule: One of ``SCHEDULES`` (``zbv``, ``vhalf``: V-shaped, two stages per rank, ``schedules.v_shape``).
         stages: Pipeline ranks per replica (default: ``world_size / (dp × tp)``).
         microbatches: Per replica and step (default: the smallest divisor of the replica's batch
             that is at least ``stages``).
@@ -242,6 +244,8 @@ def pipeline(
         virtual_stages = count_recycles(graph)
     elif schedule != "interleaved" and virtual_stages != 1:
         raise ValueError(f"pipeline: virtual_stages={virtual_stages} needs schedule='interleaved'")
+    if schedule in V_SCHEDULES:
+        virtual_stages = 2  # the V: its generated order is placed like an imported table's (by its stage_ranks)
     if layers_per_stage is not None and schedule in ("3f1b", "interlaced"):
         raise ValueError(f"{schedule}: layers_per_stage is not supported (its stages are cut by cost)")
     if schedule == "interlaced" and tp != 1:
@@ -264,7 +268,7 @@ def pipeline(
     batch = _batch_rows(graph)
     if batch % dp:
         raise ValueError(f"pipeline: the batch ({batch} rows) must divide into {dp} data-parallel replicas")
-    multiple_of = pp if virtual_stages > 1 and imported is None else 1
+    multiple_of = pp if virtual_stages > 1 and imported is None and schedule not in V_SCHEDULES else 1
     chosen = microbatches is None
     if chosen:
         microbatches = default_microbatches(batch // dp, pp, multiple_of=multiple_of)
@@ -483,6 +487,8 @@ def count_recycles(graph: Graph) -> int:
 
 
 def _schedule(name: str, stages: int, microbatches: int, virtual_stages: int) -> Schedule:
+    if name in V_SCHEDULES:
+        return V_SCHEDULES[name](stages, microbatches)
     if name == "gpipe":
         return gpipe(stages, microbatches)
     if name == "1f1b":

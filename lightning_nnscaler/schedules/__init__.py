@@ -1,7 +1,7 @@
 """Pipeline schedules as plain data (DESIGN.md §8): generators, lowering, validation, rendering, metrics.
 
 A generator gives compute-only per-rank lists (``one_f_one_b(4, 8).as_text()``); ``lower`` inserts the
-SEND/RECV actions; ``load_csv`` imports a per-rank table in torch's CSV format; ``validate`` runs all lists symbolically and raises ``ScheduleError`` with the
+SEND/RECV actions; ``zbv`` and ``v_half`` give V-shaped placements (two stages per rank); ``load_csv`` imports a per-rank table in torch's CSV format; ``validate`` runs all lists symbolically and raises ``ScheduleError`` with the
 step × rank grid when the schedule would hang or mispair messages. Nothing here imports torch.
 """
 
@@ -15,6 +15,7 @@ from lightning_nnscaler.schedules.metrics import Durations, bubble_fraction, pea
 from lightning_nnscaler.schedules.one_f_one_b import one_f_one_b
 from lightning_nnscaler.schedules.recycling import three_f_one_b
 from lightning_nnscaler.schedules.render import grid
+from lightning_nnscaler.schedules.v_shape import v_half, zbv
 from lightning_nnscaler.schedules.validate import ScheduleError, execute, validate
 from lightning_nnscaler.schedules.zero_bubble import zb1
 
@@ -40,6 +41,8 @@ __all__ = [
     "peak_in_flight",
     "theoretical_bubble_fraction",
     "three_f_one_b",
+    "v_half",
     "validate",
     "zb1",
+    "zbv",
 ]
