@@ -22,7 +22,7 @@ import math
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -113,7 +113,7 @@ class Guard:
         return f"{self.expression} -> {self.outcome!r} (at {self.location})"
 
 
-class StepWatchProtocol:
+class StepWatchProtocol(Protocol):
     """What a `StepInt` reports to (``step_values.StepWatch``)."""
 
     def guard(self, expression: Expression, outcome: Any) -> None: ...
