@@ -26,6 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"ir"},
     "verify": {"ir", "primitives"},  # replica_reference cuts BatchNorm per replica with op_trans
     "checkpoint": {"ir"},
+    "init": {"ir"},  # deferred initialization: a module recorded on meta, its pieces materialized per rank
     "checkpoint_hint": {"checkpoint"},
     "logged_values": {"ir", "capture", "plans"},
     "replica_buffers": {"ir", "capture"},
@@ -33,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "parallelize": {
         "ir", "capture", "plans", "schedules", "materialize", "codegen", "runtime", "verify", "draw", "explain", "logged_values", "replica_buffers", "sim",
     },
-    "strategy": {"ir", "capture", "plans", "codegen", "runtime", "checkpoint", "parallelize", "explain", "sim"},
+    "strategy": {"ir", "capture", "plans", "codegen", "runtime", "checkpoint", "init", "parallelize", "explain", "sim"},
     "data": set(),
     "draw": {"explain", "sim"},  # the picture is the simulator's timeline
     "sim": {"ir", "materialize", "schedules", "plans", "explain"},  # the simulator reads plans; nothing below imports it
