@@ -2,7 +2,8 @@
 
 Every element of a random tensor is a hash of ``(seed, step, draw, the op's key, the element's
 linear index in the full tensor)`` (splitmix64 on torch int64 ops), turned into a uniform float
-(or, by Box-Muller on two such uniforms, a normal one). A piece of a random op therefore draws
+(or, by Box-Muller on two such uniforms, a normal one). Large boxes are hashed by one fused
+compiled kernel instead (``ir.fused_random``), which gives the same values bit for bit. A piece of a random op therefore draws
 exactly its own box of the full tensor, and never materializes the rest: the ops ``RANDOM_OP``
 and ``RANDOM_LIKE_OP`` take the box's offsets, which ``op_trans`` sets for each piece (see
 ``ir.rules.shape``). The reference interpreter and the generated code call the same op.
@@ -33,6 +34,8 @@ DISTRIBUTIONS = ("uniform", "normal")
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _MULTIPLIERS = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+GOLDEN = _GOLDEN - (1 << 64)
+"""splitmix64's increment as a signed int64: element ``i`` hashes ``i * GOLDEN + base``."""
 
 
 @dataclass(frozen=True)
@@ -110,12 +113,43 @@ def _linear_indices(size: list[int], offset: list[int], full_size: list[int], de
     return index
 
 
-def _uniform(indices: torch.Tensor, key: int, stream: RandomStream, dtype: torch.dtype) -> torch.Tensor:
-    base = _mix(_mix(_mix(_mix(stream.seed) ^ (stream.step & _MASK64)) ^ (stream.draw & _MASK64)) ^ (key & _MASK64))
-    bits = _mix_tensor(indices * _signed(_GOLDEN) + _signed(base))
+def stream_base(key: int, stream: RandomStream) -> int:
+    """The hash offset of op ``key``'s draw from ``stream`` (an unsigned 64-bit Python int)."""
+    return _mix(_mix(_mix(_mix(stream.seed) ^ (stream.step & _MASK64)) ^ (stream.draw & _MASK64)) ^ (key & _MASK64))
+
+
+def start_base(key: int, stream: RandomStream, start: int) -> int:
+    """The signed int64 that ``uniform_from_indices`` adds to ``index * GOLDEN`` for indices counted from ``start``."""
+    return _signed(stream_base(key, stream) + start * _GOLDEN)
+
+
+def uniform_from_indices(
+    indices: torch.Tensor, base: int | torch.Tensor, dtype: torch.dtype, golden: int | torch.Tensor = GOLDEN,
+) -> torch.Tensor:
+    """Uniforms in [0, 1) of the (signed int64) hash offset ``base`` at element ``indices`` (int64).
+
+    ``golden`` is always ``GOLDEN``; compiled code passes it as a tensor so that the compiler does
+    not fold it into index arithmetic (where C++ signed overflow is undefined, unlike in tensor ops).
+    """
+    bits = _mix_tensor(indices * golden + base)
     if dtype == torch.float64:
         return _shift_right(bits, 11).to(torch.float64) * 2.0**-53
     return (_shift_right(bits, 40).to(torch.float32) * 2.0**-24).to(dtype)
+
+
+def precise_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype normal draws compute in before rounding to ``dtype`` (and dropout compares uniforms in)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def normal_from_uniforms(first: torch.Tensor, second: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Box-Muller: a standard normal from two independent uniforms (in ``precise_dtype``), rounded to ``dtype``."""
+    radius = torch.sqrt(-2.0 * torch.log1p(-first))
+    return (radius * torch.cos(2 * math.pi * second)).to(dtype)
+
+
+def _uniform(indices: torch.Tensor, key: int, stream: RandomStream, dtype: torch.dtype) -> torch.Tensor:
+    return uniform_from_indices(indices, start_base(key, stream, 0), dtype)
 
 
 def random_box(
@@ -127,16 +161,30 @@ def random_box(
     ``distribution`` is ``"uniform"`` (in [0, 1)) or ``"normal"`` (mean 0, std 1, by Box-Muller on
     the uniforms of keys ``key`` and ``key + 1``). The values depend on the current stream, the
     key and each element's index in the full tensor only: any box of it gives the same values there.
+    Large boxes are drawn by one fused compiled kernel when available (``ir.fused_random``), with
+    the same values bit for bit; ``eager_random_box`` is the reference.
     """
     if distribution not in DISTRIBUTIONS:
         raise ValueError(f"distribution {distribution!r} is none of {DISTRIBUTIONS}")
+    from lightning_nnscaler.ir import fused_random  # it builds on this module's helpers
+
+    fused = fused_random.fused_box(list(size), list(offset), list(full_size), key, distribution, dtype, torch.device(device))
+    if fused is not None:
+        return fused
+    return eager_random_box(size, offset, full_size, key, distribution, dtype, device)
+
+
+def eager_random_box(
+    size: list[int], offset: list[int], full_size: list[int], key: int, distribution: str = "uniform",
+    dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """``random_box`` by unfused torch ops (the reference the fused kernels must equal)."""
     stream = current_stream()
     indices = _linear_indices(list(size), list(offset), list(full_size), torch.device(device))
     if distribution == "uniform":
         return _uniform(indices, key, stream, dtype)
-    precise = torch.float64 if dtype == torch.float64 else torch.float32
-    radius = torch.sqrt(-2.0 * torch.log1p(-_uniform(indices, key, stream, precise)))
-    return (radius * torch.cos(2 * math.pi * _uniform(indices, key + 1, stream, precise))).to(dtype)
+    precise = precise_dtype(dtype)
+    return normal_from_uniforms(_uniform(indices, key, stream, precise), _uniform(indices, key + 1, stream, precise), dtype)
 
 
 @torch.library.custom_op(RANDOM_OP.removesuffix(".default").replace(".", "::"), mutates_args=())
