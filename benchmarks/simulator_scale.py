@@ -11,6 +11,12 @@ and the simulation together (the fastest of ``--repeats``; rank by rank once, it
   vocab 128256, 128 heads; batch 2048 sequences, 16M tokens, as Llama 3's pre-training), tp 8 × pp 16 × dp 128 on
   16,384 H100s: 16 microbatches per replica; and the same plan at batch 16,384 (128 microbatches), where rank by
   rank would build 17M tasks and is not run.
+- The calibrated recipes (``benchmarks/simulator_paper_scale.py``): GPT-3 175B on 1024 A100s as Narayanan et al.
+  ran their 145B–310B class (full recompute), and Llama 3 405B on 16,384 H100s as the paper-scale calibration
+  predicts it (interleaved × 4, selective recompute, sp, ZeRO-1, overlapped gradient reduction): 4 × the tasks of
+  plain 1F1B per stage.
+
+Every plan is priced on its spec's large-run terms (``sim.large_run.cluster_spec``), as the analytic path prices.
 
 Run: python benchmarks/simulator_scale.py [--repeats 3] [--skip-rank-by-rank]
 """
@@ -21,9 +27,9 @@ import argparse
 import os
 import time
 
-from lightning_nnscaler.sim import load_spec
 from lightning_nnscaler.sim.analytic import TransformerShape, transformer_task_lists
 from lightning_nnscaler.sim.cluster import ClusterPlan, simulate_plan
+from lightning_nnscaler.sim.large_run import cluster_spec
 
 GPT3 = TransformerShape()
 LLAMA3_405B = TransformerShape(layers=128, hidden=16384, seq_len=8192, vocab=128256, heads=128, global_batch=2048)
@@ -32,6 +38,9 @@ PLANS = [  # (name, shape, plan, spec, run rank by rank)
     ("Llama-3-405B-like", LLAMA3_405B, ClusterPlan(dp=128, tp=8, pp=16, microbatch_size=1), "h100", True),
     ("Llama-3-405B-like, batch 16384", TransformerShape(**{**LLAMA3_405B.__dict__, "global_batch": 16384}),
      ClusterPlan(dp=128, tp=8, pp=16, microbatch_size=1), "h100", False),
+    ("GPT-3 175B, full recompute", GPT3, ClusterPlan(dp=8, tp=8, pp=16, microbatch_size=1, recompute="full"), "a100", False),
+    ("Llama-3-405B-like, as calibrated", LLAMA3_405B,
+     ClusterPlan(128, 8, 16, 1, "selective", zero1=True, sequence_parallel=True, virtual_stages=4, overlap_grad_reduce=True), "h100", False),
 ]
 
 
@@ -50,17 +59,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="symmetric runs per plan (the fastest is shown)")
     parser.add_argument("--skip-rank-by-rank", action="store_true")
     args = parser.parse_args()
-    print(f"{'GPUs':>6}  {'plan':<72} {'tasks (every rank / symmetric)':>31}  {'rank by rank':>12}  {'symmetric':>9}  "
+    print(f"{'GPUs':>6}  {'plan':<120} {'tasks (every rank / symmetric)':>31}  {'rank by rank':>12}  {'symmetric':>9}  "
           f"{'ratio':>6}  step")
     for name, shape, plan, spec_name, every_rank in PLANS:
-        spec = load_spec(spec_name)
+        spec = cluster_spec(spec_name)
         world = plan.dp * plan.tp * plan.pp
         layout = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp}
-        symmetric_tasks = sum(map(len, transformer_task_lists(shape, spec, **layout, representatives=True)))
+        symmetric_tasks = sum(map(len, transformer_task_lists(shape, spec, **layout, representatives=True, recipe=plan.recipe)))
         fast, result = timed(lambda: simulate_plan(shape, spec, plan), args.repeats)
         slow_text, ratio_text, tasks_text, agree = "-", "-", "-", ""
         if every_rank and not args.skip_rank_by_rank:
-            lists = transformer_task_lists(shape, spec, **layout)
+            lists = transformer_task_lists(shape, spec, **layout, recipe=plan.recipe)
             tasks_text = f"{sum(map(len, lists)):,}"
             del lists
             slow, every = timed(lambda: simulate_plan(shape, spec, plan, symmetric=False), 1)
@@ -68,7 +77,7 @@ def main() -> None:
             agree = " (equal)" if every.step_seconds == result.step_seconds else f" (rank by rank {every.step_seconds:.4f} s)"
             del every
         description = f"{name}, {plan} on {spec_name.upper()}"
-        print(f"{world:>6}  {description:<72} {tasks_text:>14} / {symmetric_tasks:<14,}  {slow_text:>12}  {fast:>7.3f} s  "
+        print(f"{world:>6}  {description:<120} {tasks_text:>14} / {symmetric_tasks:<14,}  {slow_text:>12}  {fast:>7.3f} s  "
               f"{ratio_text:>6}  {result.step_seconds:.3f} s{agree}, bubble {result.bubble_fraction:.1%}", flush=True)
     print(f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
 

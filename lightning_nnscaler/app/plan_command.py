@@ -5,6 +5,11 @@ model and an example batch, parallelizes it and prints the per-rank table (``Pla
 simulated step on the ``spec`` hardware (``prediction_spec``: per rank busy, communication and idle
 milliseconds and peak memory, then ``Prediction.summary``) and each rank's parameter count, and
 writes the per-rank code (``Plan.save_code``) and ``plan.png`` (memory bars and the simulated timeline).
+
+``lightning-nnscaler plan analytic=gpt3-175b spec=h100 world_size=1024`` plans a paper-scale transformer by
+its shape instead (``analytic_plan_command``): no model is built and no graph traced; ``sim.cluster`` searches
+dp × tp × pp plans with their recompute, ZeRO-1, sequence parallelism and interleaving on the spec's large-run
+terms and prints the chosen plan, its predicted step and memory, what the prediction assumed, and the runners-up.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +32,20 @@ from lightning_nnscaler.app.config import CONF_DIR, ConfigError, JobConfig, chec
 from lightning_nnscaler.app.recipes import register_catalog_recipes, register_user_recipes
 from lightning_nnscaler.parallelize import Plan, parallelize
 from lightning_nnscaler.sim import predict
+from lightning_nnscaler.sim.analytic import TransformerShape
+from lightning_nnscaler.sim.cluster import ClusterOutcome, search_cluster
 from lightning_nnscaler.sim.specs import FALLBACK_GPU_SPEC, spec_for_device
+
+ANALYTIC_SHAPES = {
+    # Brown et al. 2020, Table 2.1; the batch of Narayanan et al. 2021's 175B-class runs (1536 sequences)
+    "gpt3-175b": TransformerShape(embeddings=True),
+    "gpt3-6.7b": TransformerShape(layers=32, hidden=4096, seq_len=2048, vocab=50257, heads=32, global_batch=512, embeddings=True),
+    # Dubey et al. 2024, Table 3 (126 layers rounded to 128 so that 2..32 stages divide them; blocks of 12·h²) and
+    # Table 4 (16M-token batches of 8192 tokens)
+    "llama3-405b": TransformerShape(layers=128, hidden=16384, seq_len=8192, vocab=128256, heads=128, global_batch=2048, embeddings=True),
+}
+"""The shapes ``analytic=NAME`` plans (shape keys such as ``layers=`` or ``global_batch=`` override them)."""
+SHAPE_KEYS = ("layers", "hidden", "seq_len", "vocab", "heads", "global_batch")
 
 
 def rank_parameter_counts(plan: Plan) -> list[int]:
@@ -78,13 +97,16 @@ def progress(message: str) -> Iterator[Any]:
         yield status
 
 
-def plan_command(overrides: Sequence[str], output: Path) -> Plan:
+def plan_command(overrides: Sequence[str], output: Path) -> Plan | None:
     """Plan the composed config for ``world_size`` ranks (default ``trainer.devices x trainer.num_nodes``);
     print the tables, write the code under ``output/<plan hash>/`` and the picture to ``output/plan.png``.
 
     Raises:
         ConfigError: a setting that cannot work, naming the key.
     """
+    if any(override.startswith("analytic=") for override in overrides):
+        analytic_plan_command(overrides)
+        return None
     register_catalog_recipes(CONF_DIR)
     register_user_recipes()
     try:
@@ -120,3 +142,40 @@ def plan_command(overrides: Sequence[str], output: Path) -> Plan:
     print(f"per-rank code: {code}")
     print(f"plan picture: {picture}")
     return plan
+
+
+def analytic_plan_command(overrides: Sequence[str]) -> ClusterOutcome:
+    """Search plans of the shape ``analytic=NAME`` names (``ANALYTIC_SHAPES``, its ``SHAPE_KEYS`` overridable) for
+    ``world_size`` ranks of ``spec`` (default h100) within ``memory_limit_gb`` (default the spec's memory), trying
+    ``virtual_stages`` (default ``1,2,4``) with the gradient reduction overlapped (``overlap=false``: not); print
+    the chosen plan, its predicted step, memory and throughput, its basis, and the ten fastest fitting plans.
+
+    Raises:
+        ConfigError: an unknown key or shape name, a missing ``world_size``, or no plan that fits.
+    """
+    settings = dict(override.split("=", 1) for override in overrides)
+    unknown = set(settings) - {"analytic", "spec", "world_size", "memory_limit_gb", "virtual_stages", "overlap", *SHAPE_KEYS}
+    if unknown or settings["analytic"] not in ANALYTIC_SHAPES or "world_size" not in settings:
+        raise ConfigError(f"analytic plan: give analytic={'|'.join(ANALYTIC_SHAPES)} world_size=N [spec=h100] [memory_limit_gb=G] "
+                          f"[virtual_stages=1,2,4] [overlap=true] [{'=N, '.join(SHAPE_KEYS)}=N]; got {' '.join(overrides)}")
+    shape = replace(ANALYTIC_SHAPES[settings["analytic"]], **{key: int(settings[key]) for key in SHAPE_KEYS if key in settings})
+    spec, world_size = settings.get("spec", "h100"), int(settings["world_size"])
+    limit = float(settings["memory_limit_gb"]) if "memory_limit_gb" in settings else None
+    chunks = tuple(int(value) for value in settings.get("virtual_stages", "1,2,4").split(","))
+    outcomes, seconds = search_cluster(shape, spec, world_size, memory_limit_gb=limit, virtual_stages=chunks,
+                                       overlap_grad_reduce=settings.get("overlap", "true").lower() == "true", prune=True)
+    fitting = [outcome for outcome in outcomes if not outcome.reason]
+    if not fitting:
+        raise ConfigError(f"no plan of {settings['analytic']} on {world_size} × {spec} fits: {outcomes[0].reason}")
+    best = fitting[0]
+    flops = 3 * shape.global_batch * shape.layers * (24 * shape.seq_len * shape.hidden**2 + 4 * shape.seq_len**2 * shape.hidden)
+    print(f"{settings['analytic']} ({shape.layers} blocks, hidden {shape.hidden}, {shape.seq_len} tokens, batch {shape.global_batch}) "
+          f"on {world_size} × {spec}: {len(outcomes)} plans simulated in {seconds:.1f} s")
+    print(f"chosen: {best.plan}")
+    print(f"  predicted step {best.step_seconds:.3f} s, peak memory {best.peak_bytes / 1e9:.1f} GB per GPU, "
+          f"{flops / (world_size * best.step_seconds) / 1e12:.0f} TFLOP/s per GPU (model FLOPs of the blocks)")
+    print(f"  assumed: {best.basis}")
+    print("fastest fitting plans:")
+    for outcome in fitting[:10]:
+        print(f"  {outcome.step_seconds:>9.3f} s  {outcome.peak_bytes / 1e9:>6.1f} GB  {outcome.plan}")
+    return best

@@ -65,10 +65,11 @@ class SymmetricComm:
         return self.comm.collective_seconds(kind, whole, nbytes)
 
 
-def symmetric_layout(ranks_per_node: int, *, dp: int, tp: int, pp: int) -> bool:
+def symmetric_layout(ranks_per_node: int, *, dp: int, tp: int, pp: int, wrap: bool = False) -> bool:
     """Whether every rank of each stage meets the links its representative meets (``rank = (replica · pp + stage)
     · tp + piece``): its tp group and its dp group within one node or not alike, and its messages to the stages
-    beside it within a node or not alike. Linear in the ranks, integer arithmetic only."""
+    beside it within a node or not alike (``wrap``: an interleaved pipeline's, whose last stage also sends to its
+    first). Linear in the ranks, integer arithmetic only."""
     def node(rank: int) -> int:
         return rank // ranks_per_node
 
@@ -77,7 +78,8 @@ def symmetric_layout(ranks_per_node: int, *, dp: int, tp: int, pp: int) -> bool:
         first = rank - piece
         tp_spans = node(first) != node(first + tp - 1)
         dp_spans = node(stage * tp + piece) != node(((dp - 1) * pp + stage) * tp + piece)
-        beside = tuple(node(rank) != node(rank + step * tp) for step in (-1, 1) if 0 <= stage + step < pp)
+        beside = tuple(node(rank) != node(rank + ((stage + step) % pp - stage) * tp) for step in (-1, 1)
+                       if wrap or 0 <= stage + step < pp)
         return (tp_spans, dp_spans, *beside)
 
     for stage in range(pp):
