@@ -8,12 +8,23 @@ with in-memory communication, so the numbers are exact byte counts, not estimate
 
 Goals: tp=4 model state <= 0.28x single device; coshard(shards=4) activation peak <= 0.6x tp at
 4 ranks; zero3 model state at 4 ranks <= 0.3x dp.
-Run: python benchmarks/memory.py
+
+``--only rss``: what users see. Each configuration is a short Lightning fit in fresh processes
+(``memory_ranks.py``; GPT of 134M parameters, 2.0 GiB of fp32 AdamW training state on one device), the
+model built under ``trainer.init_module()`` (on meta under nnscaler). Per rank: peak resident memory above
+the bare process, as a ratio to one device's, beside explain()'s prediction. Goals at 4 ranks: zero3 <= 0.35,
+hybrid3d <= 0.35, 1f1b <= 0.40, tp <= 0.45, zero1 <= 0.60, dp about ddp.
+Run: python benchmarks/memory.py [--only tensors|rss] [--configs tp=4,zero3=4]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -87,13 +98,60 @@ def measure(model: GPT, batch: Any, recipe: str, world_size: int, **params: Any)
     return run_ranks(world_size, run, timeout=1200)
 
 
+RSS_CONFIGS = {
+    "one device": ("auto", 1, ""), "ddp=2": ("ddp", 2, ""), "ddp=4": ("ddp", 4, ""),
+    **{f"{recipe}={devices}": (f"nnscaler_{recipe}" if recipe != "dp" else "nnscaler", devices, "")
+       for devices in (2, 4) for recipe in ("dp", "zero1", "zero3", "tp", "1f1b")},
+    "hybrid3d=2": ("nnscaler_hybrid3d", 2, "dp=1,tp=1,pp=2"), "hybrid3d=4": ("nnscaler_hybrid3d", 4, "dp=1,tp=2,pp=2"),
+}
+RSS_GOALS = {"zero3=4": 0.35, "hybrid3d=4": 0.35, "1f1b=4": 0.40, "tp=4": 0.45, "zero1=4": 0.60}
+
+
+def rss_run(strategy: str, devices: int, params: str = "") -> list[dict]:
+    """Every rank's report of one configuration (``memory_ranks.py`` in a fresh process; Lightning launches the ranks)."""
+    with tempfile.TemporaryDirectory() as out:
+        script = Path(__file__).with_name("memory_ranks.py")
+        completed = subprocess.run(
+            [sys.executable, str(script), "--strategy", strategy, "--devices", str(devices), "--out", out, "--params", params], cwd=out,
+            capture_output=True, text=True, timeout=1800,
+        )
+        reports = sorted((json.loads(path.read_text()) for path in Path(out).glob("rank*.json")), key=lambda report: report["rank"])
+    if completed.returncode != 0 or len(reports) != devices:
+        return [{"failed": (completed.stderr.strip().splitlines() or ["no output"])[-1]}]
+    return reports
+
+
+def rss_table(names: list[str]) -> None:
+    """Print the per-rank peak of each configuration as a ratio to one device's."""
+    mib = 2**20
+    single = rss_run(*RSS_CONFIGS["one device"])[0]["peak_above_bare"]
+    print(f"peak resident memory per rank above the bare process; one device {single / mib:.0f} MiB")
+    print(f"{'configuration':<14} {'worst rank MiB':>14} {'ratio':>7} {'goal':>6} {'explain() MiB':>14} {'explain/measured':>17}")
+    for name in names:
+        reports = rss_run(*RSS_CONFIGS[name]) if name != "one device" else [{"peak_above_bare": single}]
+        if "failed" in reports[0]:
+            print(f"{name:<14} failed: {reports[0]['failed']}")
+            continue
+        worst = max(reports, key=lambda report: report["peak_above_bare"])
+        predicted = reports[0].get("explain", [None] * len(reports))[worst["rank"]] if "explain" in reports[0] else None
+        goal = f"{RSS_GOALS[name]:.2f}" if name in RSS_GOALS else ""
+        prediction = f"{predicted / mib:14.0f} {predicted / worst['peak_above_bare']:17.2f}" if predicted else f"{'':>14} {'':>17}"
+        print(f"{name:<14} {worst['peak_above_bare'] / mib:14.0f} {worst['peak_above_bare'] / single:7.2f} {goal:>6} {prediction}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--only", choices=("tensors", "rss"), default=None)
+    parser.add_argument("--configs", default=",".join(RSS_CONFIGS), help="--only rss: the configurations, comma-separated")
     arguments = parser.parse_args()
+    if arguments.only != "tensors":
+        rss_table([name.strip() for name in arguments.configs.split(",")])
+    if arguments.only == "rss":
+        return
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=1024, seq_len=arguments.seq, hidden=arguments.hidden, layers=arguments.layers, heads=16)
     model = GPT(config)

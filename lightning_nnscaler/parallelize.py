@@ -86,6 +86,9 @@ class Plan:
     """For ``recipe="auto"``: the search that chose this plan (``sim.search.SearchResult``: winner and ranked table)."""
     kept_targets: KeptTargets | None = None
     """The losses averaged over their kept targets, counted per loaded replica (``GlobalMeanWarning``); None with one replica."""
+    returned: str = "loss"
+    """What the traced step returns as graph output 0: ``"loss"`` (training, forward), ``"value"`` (an evaluation
+    step's number) or ``"none"`` (an evaluation step that returns None; output 0 is its first logged number)."""
 
     @property
     def data_layout(self) -> RecipeLayout:
@@ -230,7 +233,7 @@ def explain_pipeline(pipeline: PipelinePlan) -> str:
 
 def parallelize(
     module: nn.Module, example_args: Any, recipe: str = "dp", world_size: int = 1, *, step: str | None = None,
-    batch_idx: int = 0, communication_cost: Any = None, allow_partial: bool = False, progress: Callable[[str], None] | None = None, **params: Any,
+    batch_idx: int = 0, step_args: tuple = (), communication_cost: Any = None, allow_partial: bool = False, progress: Callable[[str], None] | None = None, **params: Any,
 ) -> Plan:
     """Trace ``module``, apply the catalog recipe ``recipe`` for ``world_size`` ranks, materialize
     and generate per-rank code.
@@ -245,9 +248,11 @@ def parallelize(
         example_args: Example inputs (or a batch with ``step``).
         recipe: A name from the recipe catalog (``lightning-nnscaler recipes`` lists them).
         world_size: Number of ranks.
-        step: ``None`` (forward) or ``"training_step"``.
+        step: ``None`` (forward), ``"training_step"``, or an evaluation step (``"validation_step"``, ``"test_step"``:
+            planned forward-only; its first output is the number it returns, else its first logged number).
         batch_idx: The ``batch_idx`` the traced ``training_step`` sees (with the Trainer's step and epoch, if
             any): the plan's guards (``plan.step_values.guards``) are the decisions made at these values.
+        step_args: What the step takes after ``batch_idx`` (an evaluation step's ``dataloader_idx``).
         communication_cost: The RVD search's cost model (``materialize.AlphaBeta`` by default).
         allow_partial: Best effort: accept a plan that leaves whole (replicated) ops the recipe
             means to split, with a ``PartialPlanWarning`` saying how much of the model was split,
@@ -263,12 +268,12 @@ def parallelize(
     stage = _Stages(progress)
     with stage(f"tracing {type(module).__name__}.{step or 'forward'}"):
         logged = replica_buffers = None
-        if step == "training_step":  # the step's Python values that tracing would freeze: refused, or checked every step
-            traced = trace_step(module, example_args, batch_idx)
+        if step is not None:  # the step's Python values that tracing would freeze: refused, or checked every step
+            traced = trace_step(module, example_args, batch_idx, step=step, extra=step_args)
             graph, step_values = traced.graph, traced.step_values
             check_batch_rows(graph, recipe, world_size, params)  # before the replica's share is traced
-            logged = _plan_logged_values(module, example_args, traced, recipe, world_size, params, batch_idx)
-            replica_buffers = _replica_buffers(module, example_args, graph, recipe, world_size, params, batch_idx)
+            logged = _plan_logged_values(module, example_args, traced, recipe, world_size, params, batch_idx, step, step_args)
+            replica_buffers = _replica_buffers(module, example_args, graph, recipe, world_size, params, batch_idx, step, step_args)
         else:
             graph, step_values = trace(module, example_args, step=step), StepValues()
             check_batch_rows(graph, recipe, world_size, params)
@@ -292,6 +297,7 @@ def parallelize(
         )
     plan.step_values = step_values
     plan.logged = logged
+    plan.returned = traced.returned if step is not None else "loss"
     plan.replica_buffers = replica_buffers
     plan.search = context.search
     plan.kept_targets = kept
@@ -323,6 +329,7 @@ def check_batch_rows(graph: Graph, recipe: str, world_size: int, params: dict[st
 
 def _plan_logged_values(
     module: nn.Module, batch: Any, traced: TracedStep, recipe: str, world_size: int, params: dict[str, Any], batch_idx: int,
+    step: str = "training_step", step_args: tuple = (),
 ) -> LoggedValues:
     """What the traced step logs, computed per data-parallel replica (``logged_values``); edits ``traced.graph``."""
     from lightning_nnscaler.plans.catalog import load_recipe
@@ -330,12 +337,13 @@ def _plan_logged_values(
     replicas = load_recipe(recipe).layout(world_size, params).data_parallel
     replica_graph = None
     if replicas > 1 and (any(call.output is not None for call in traced.logs) or traced.metric_calls):
-        replica_graph = trace_step(module, replica_rows(batch, replicas), batch_idx).graph
+        replica_graph = trace_step(module, replica_rows(batch, replicas), batch_idx, step=step, extra=step_args).graph
     return plan_logged_values(traced.graph, traced.logs, replicas, replica_graph, traced.metric_calls)
 
 
 def _replica_buffers(
     module: nn.Module, batch: Any, graph: Graph, recipe: str, world_size: int, params: dict[str, Any], batch_idx: int,
+    step: str = "training_step", step_args: tuple = (),
 ) -> ReplicaBufferUpdates | None:
     """The step's arithmetic buffer updates, per replica (``replica_buffers``); a warning names those left to the plan."""
     from lightning_nnscaler.plans.catalog import load_recipe
@@ -343,7 +351,7 @@ def _replica_buffers(
     replicas = load_recipe(recipe).layout(world_size, params).data_parallel
     if replicas == 1 or not graph.buffer_updates:
         return None
-    updates = replica_buffer_updates(graph, trace_step(module, replica_rows(batch, replicas), batch_idx).graph)
+    updates = replica_buffer_updates(graph, trace_step(module, replica_rows(batch, replicas), batch_idx, step=step, extra=step_args).graph)
     if updates is not None and updates.left_to_the_plan:
         warnings.warn(
             f"{type(module).__name__}.training_step updates the buffers {updates.left_to_the_plan} from parameters: the plan "

@@ -53,6 +53,8 @@ class LogRecorder:
         """Logged tensors, each once (by identity), in the order first logged; output ``i + 1`` is ``tensors[i]``."""
         self.loss: torch.Tensor | None = None
         self.metrics = MetricRecorder(module, self._output_of)
+        self.returned = "loss"
+        """What the traced step returned as output 0 (``TracedStep.returned``)."""
 
     def reset(self) -> None:
         """Forget the calls of an earlier trace of the step."""

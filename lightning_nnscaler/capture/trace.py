@@ -24,6 +24,7 @@ from lightning_nnscaler.capture.convert import CaptureError, convert
 from lightning_nnscaler.capture.empty_caches import drop_empty_concatenations
 from lightning_nnscaler.capture.items import item_values
 from lightning_nnscaler.capture.logs import LogCall, LogRecorder
+from lightning_nnscaler.capture.meta_module import traced_as_on
 from lightning_nnscaler.capture.metrics import MetricCall
 from lightning_nnscaler.capture.packed_qkv import split_packed_qkv
 from lightning_nnscaler.capture.step_values import StepValues, StepWatch, watch_step
@@ -31,22 +32,50 @@ from lightning_nnscaler.capture.sync_batch_norm import sync_batch_norm_traced
 from lightning_nnscaler.ir.graph import Graph
 
 
-class _TrainingStep(nn.Module):
-    """Exposes ``training_step(batch, batch_idx)`` as ``forward(batch)`` returning the loss tensor and then
-    each tensor the step logs (``logs``); ``batch_idx`` (0) and the torch calls are watched by ``watch``
-    (``step_values``)."""
+EVALUATION_STEPS = ("validation_step", "test_step")
+"""The evaluation steps a plan can run forward-only over the training plan's pieces."""
 
-    def __init__(self, module: nn.Module, watch: StepWatch, logs: LogRecorder) -> None:
+
+class _TrainingStep(nn.Module):
+    """Exposes ``<step>(batch, batch_idx, *extra)`` as ``forward(batch)`` returning the loss tensor (for an
+    evaluation step, `_evaluation_output`'s scalar) and then each tensor the step logs (``logs``);
+    ``batch_idx`` (0) and the torch calls are watched by ``watch`` (``step_values``)."""
+
+    def __init__(self, module: nn.Module, watch: StepWatch, logs: LogRecorder, step: str = "training_step", extra: tuple = ()) -> None:
         super().__init__()
         self.module = module
         self.watch = watch
         self.logs = logs
+        self.step = step
+        self.extra = extra
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, ...]:
         self.logs.reset()
         with self.watch.torch_calls(), item_values(), _logging_to(self.module, self.logs), self.logs.metrics.recording():
-            output = self.module.training_step(batch, self.watch.batch_idx)
-        return self.logs.outputs(_loss_of(output, type(self.module).__name__))
+            output = getattr(self.module, self.step)(batch, self.watch.batch_idx, *self.extra)
+            if self.step == "training_step":
+                return self.logs.outputs(_loss_of(output, type(self.module).__name__))
+            first, self.logs.returned = _evaluation_output(output, self.logs, f"{type(self.module).__name__}.{self.step}")
+            return self.logs.outputs(first)
+
+
+def _evaluation_output(output: Any, logs: LogRecorder, where: str) -> tuple[torch.Tensor, str]:
+    """An evaluation step's first graph output and what the step returned: ``"value"`` (a number, returned as
+    computed) or ``"none"`` (its first logged number stands in, so the graph has an output to run for).
+
+    Raises:
+        CaptureError: the step returns something other than a number or None, or neither returns nor logs a number.
+    """
+    if isinstance(output, dict) and set(output) == {"loss"}:
+        output = output["loss"]
+    if isinstance(output, torch.Tensor) and output.numel() == 1 and output.is_floating_point():
+        return output, "value"
+    if output is not None:
+        raise CaptureError(f"{where} returns a {type(output).__name__}: a plan runs evaluation steps that return a number or None")
+    numbers = [tensor for tensor in logs.tensors if tensor.numel() == 1 and tensor.is_floating_point()]
+    if not numbers:
+        raise CaptureError(f"{where} neither returns nor logs a number: nothing for a plan to compute")
+    return numbers[0], "none"
 
 
 def _loss_of(output: Any, module_name: str) -> torch.Tensor:
@@ -95,10 +124,12 @@ def trace(module: nn.Module, example_args: Any, *, step: str | None = None) -> G
         CaptureError: naming the submodule whose code could not be captured and what to change.
         FrozenValueError: ``training_step`` assigns a plain attribute (see ``trace_training_step``).
     """
-    if step not in (None, "training_step"):
-        raise CaptureError(f"step={step!r} is not supported; use None (forward) or 'training_step'")
+    if step not in (None, "training_step", *EVALUATION_STEPS):
+        raise CaptureError(f"step={step!r} is not supported; use None (forward), 'training_step', 'validation_step' or 'test_step'")
     if step == "training_step":
         return trace_training_step(module, example_args)[0]
+    if step is not None:
+        return loss_only(trace_step(module, example_args, step=step).graph)
     wrapper = _Forward(module)
     args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
     _check_forward_takes(module, args)
@@ -114,6 +145,8 @@ class TracedStep:
     step_values: StepValues
     logs: list[LogCall]
     metric_calls: list[MetricCall] = field(default_factory=list)
+    returned: str = "loss"
+    """``"loss"`` (training), or what an evaluation step returned: ``"value"`` (graph output 0) or ``"none"``."""
 
 
 def trace_training_step(module: nn.Module, batch: Any) -> tuple[Graph, StepValues]:
@@ -134,12 +167,14 @@ def trace_training_step(module: nn.Module, batch: Any) -> tuple[Graph, StepValue
     return loss_only(traced.graph), traced.step_values
 
 
-def trace_step(module: nn.Module, batch: Any, batch_idx: int = 0) -> TracedStep:
+def trace_step(module: nn.Module, batch: Any, batch_idx: int = 0, *, step: str = "training_step", extra: tuple = ()) -> TracedStep:
     """``trace_training_step`` with the step's ``self.log`` / ``self.log_dict`` calls (``capture.logs``), at
-    ``batch_idx`` (and the Trainer's step and epoch): its guards are the decisions made at these values."""
+    ``batch_idx`` (and the Trainer's step and epoch): its guards are the decisions made at these values.
+    ``step`` may be an evaluation step (``EVALUATION_STEPS``), called with ``extra`` after ``batch_idx``
+    (a ``dataloader_idx``)."""
     logs = LogRecorder(module)
     with watch_step(module, batch_idx) as watch:
-        wrapper = _TrainingStep(module, watch, logs)
+        wrapper = _TrainingStep(module, watch, logs, step, extra)
         try:
             exported = _export(wrapper, (batch,), module)
         except CaptureError as error:
@@ -147,7 +182,7 @@ def trace_step(module: nn.Module, batch: Any, batch_idx: int = 0) -> TracedStep:
             raise
     watch.raise_if_frozen()
     graph = convert(exported, dict(wrapper.named_parameters(remove_duplicate=False)), prefix="module.")
-    return TracedStep(graph, watch.step_values(graph.constant_values), list(logs.calls), list(logs.metrics.calls))
+    return TracedStep(graph, watch.step_values(graph.constant_values), list(logs.calls), list(logs.metrics.calls), logs.returned)
 
 
 def loss_only(graph: Graph) -> Graph:
@@ -175,9 +210,9 @@ def needed_ops(graph: Graph, outputs: list[str]) -> set[str]:
 def _export(wrapper: nn.Module, args: tuple[Any, ...], module: nn.Module) -> torch.export.ExportedProgram:
     """``torch.export`` (non-strict) of ``wrapper``; a failure names ``module``'s innermost submodule."""
     module_paths = {id(sub): name or type(module).__name__ for name, sub in module.named_modules()}
-    with _silenced_logging(module), causal_masks_known(), sync_batch_norm_traced():
+    with _silenced_logging(module), causal_masks_known(), sync_batch_norm_traced(), traced_as_on(module, args) as traced_args:
         try:
-            return split_packed_qkv(drop_empty_concatenations(torch.export.export(wrapper, args, strict=False)))
+            return split_packed_qkv(drop_empty_concatenations(torch.export.export(wrapper, traced_args, strict=False)))
         except CaptureError:
             raise
         except Exception as error:  # noqa: BLE001 - every export failure gets the module path
@@ -186,7 +221,7 @@ def _export(wrapper: nn.Module, args: tuple[Any, ...], module: nn.Module) -> tor
 
 def flatten_inputs(example_args: Any, *, step: str | None = None) -> list[torch.Tensor]:
     """The tensors of ``example_args`` in the order of the traced graph's user inputs."""
-    args = (example_args,) if step == "training_step" else (
+    args = (example_args,) if step is not None else (
         tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
     )
     leaves, _ = pytree.tree_flatten(args)

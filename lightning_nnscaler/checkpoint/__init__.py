@@ -8,8 +8,9 @@ A checkpoint is a directory named like a Lightning checkpoint file (e.g. ``epoch
     common.pt               everything else Lightning saves (loops, callbacks, LR schedulers, hparams,
                             optimizer hyperparameters), written by rank 0
     metadata.json           the plan (recipe, parameters, world size, code hash), the full shapes, each
-                            optimizer's param-group keys, the save's token and step, and every
-                            file's size and content hash (``integrity``): written last, by rank 0
+                            optimizer's param-group keys, the save's token and step, every file's
+                            size and content hash (``integrity``), and which rank file holds which
+                            pieces (``pieces``: ``index``; absent in earlier saves): written last, by rank 0
 
 Integrity: every load reads each file once, checks its size and content hash against the metadata,
 and the save token each rank file and ``common.pt`` carries against the metadata's: a flipped bit,
@@ -28,6 +29,11 @@ optimizer's ``state_dict`` over the whole module) from all the rank files, whate
 them (``assemble``); the strategy then cuts it into the new plan's pieces. ``merge`` writes that
 assembly as one plain file which loads with ``strategy="auto"``. Every load is
 ``torch.load(weights_only=True)``.
+
+Per-slice reads (``read_pieces``, ``slices``): a rank reads only the pieces of its own plan (boxes or ZeRO
+chunks, of the model and of each optimizer's state) from whichever saved pieces overlap them, under any
+saving plan and world size, and the non-tensor part; no process assembles the checkpoint, and a rank file
+holding none of them is not opened.
 
 Streaming (``model_tensors``, ``export_safetensors``): the model weights alone, one full tensor at a
 time from the memory-mapped rank files (their hashes checked through the mapping, not copied), so the
@@ -53,6 +59,7 @@ from lightning_nnscaler.checkpoint.layout import (
     is_sharded_checkpoint, leftovers, merge_hint, partial_directory, rank_file_name, remove_leftovers, required_files, save_directory,
     write_readme,
 )
+from lightning_nnscaler.checkpoint.slices import PieceRead, read_pieces
 from lightning_nnscaler.checkpoint.target import check_target, claim
 from lightning_nnscaler.ir.box import PieceLocation
 
@@ -60,7 +67,7 @@ __all__ = [
     "COMMON", "FORMAT", "METADATA", "POINTER", "README", "SAVE_RECORD", "VERSION", "CheckpointError", "check_target", "claim", "commit",
     "current_save", "describe", "export_safetensors", "foreign_entries", "is_sharded_checkpoint", "leftovers", "load", "merge", "merge_hint", "model_tensors", "open_merged",
     "partial_directory", "rank_file_name", "rank_payload", "read_metadata", "remove_leftovers", "required_files", "save_directory",
-    "write_atomically", "write_readme",
+    "write_atomically", "write_readme", "PieceRead", "read_pieces",
 ]
 
 

@@ -9,6 +9,8 @@ parameter) plus the box.
 
 from __future__ import annotations
 
+import hashlib
+
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Optional
 
@@ -123,6 +125,21 @@ class InitRecord:
                         replaced[id(tensor)] = self._materialized_alias(tensor, f"{prefix}.{name}".lstrip("."), bases, device)
                     table[name] = replaced[id(tensor)]
         return module
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a meta tensor this record created (so it can materialize it)."""
+        return tensor.device.type == "meta" and tensor.untyped_storage()._cdata in self.recorder.storage_ids
+
+    def digest(self) -> str:
+        """A hash of what was recorded (ops, shapes, the generator states of random ops): equal in two processes
+        exactly when they built the same tensors with the same values (the same seed)."""
+        hasher = hashlib.sha256()
+        for op in self.recorder.ops:
+            hasher.update(str(op.function).encode())
+            hasher.update(repr([getattr(arg, "shape", arg) for arg in op.args if not isinstance(arg, torch.Tensor)]).encode())
+            if op.generator_state is not None:
+                hasher.update(op.generator_state.cpu().numpy().tobytes())
+        return hasher.hexdigest()
 
     def tied_keys(self, module: nn.Module) -> list[tuple[str, ...]]:
         """The groups of ``module``'s state keys (parameters and buffers) that are one tensor's storage, e.g. tied weights."""

@@ -58,6 +58,8 @@ class RankExecutor:
             optimizer steps the model's own parameters). Only for one executor per process over
             its own model (``NnScalerStrategy``): ranks run as threads must each copy. Never under
             ZeRO, whose boxes are freed and rebuilt.
+        materialize: The values of a piece whose full tensor in ``state`` lies on the meta device (a module built
+            under deferred init, ``lightning_nnscaler.init``): ``materialize(location, meta_tensor)``.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class RankExecutor:
         input_offsets: dict[str, int] | None = None,
         bucket_bytes: int | None = None,
         share_parameters: bool = False,
+        materialize: Callable[[PieceLocation, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         if (module.RANK, module.WORLD_SIZE) != (rank, communicator.world_size):
             raise ValueError(
@@ -87,10 +90,15 @@ class RankExecutor:
         self.device = torch.device(device)
         shared: set[int] = set()  # a tied parameter is shared once, its other keys copied (as without sharing)
         share = share_parameters and not getattr(module, "ZERO_STAGE", 0)
-        self._load(
-            module, constants, input_offsets,
-            lambda location, role: _piece(location, role, state[location.state_key], self.device, shared if share else None),
-        )
+        def piece_of(location: PieceLocation, role: str) -> Shard:
+            source = state[location.state_key]
+            if source.is_meta:  # a module built on meta: this rank's piece alone is materialized
+                if materialize is None:
+                    raise ValueError(f"{location.state_key} lies on the meta device and no materialize function was given for its pieces")
+                return _piece(location, role, source, self.device, values=materialize(location, source))
+            return _piece(location, role, source, self.device, shared if share else None)
+
+        self._load(module, constants, input_offsets, piece_of)
         by_location = {shard.location: shard.tensor for shard in self.shards.values()}
         replicated = [(by_location[PieceLocation(key, box)], ranks) for key, box, ranks in module.GRADIENT_GROUPS]
         self.reducer = GradientReducer(replicated, communicator, rank, getattr(module, "ZERO_STAGE", 0), bucket_bytes)
@@ -318,16 +326,19 @@ class _SplitSums:
         return flat[0].to(self.loss_dtype)
 
 
-def _piece(location: PieceLocation, role: str, source: torch.Tensor, device: torch.device, shared: set[int] | None = None) -> Shard:
+def _piece(
+    location: PieceLocation, role: str, source: torch.Tensor, device: torch.device, shared: set[int] | None = None,
+    values: torch.Tensor | None = None,
+) -> Shard:
     """This rank's own copy of ``location`` of ``source`` (a Parameter when it is a trained parameter);
     with ``shared`` (the ids of the sources shared so far), a trained parameter held whole on its
-    device is ``source`` itself."""
+    device is ``source`` itself. ``values``: the piece's values, given (``source`` on meta)."""
     whole = location.chunk is None and location.shape == tuple(source.shape) and source.device == device
     if shared is not None and role == "parameter" and isinstance(source, torch.nn.Parameter) and source.requires_grad and whole:
         if id(source) not in shared:
             shared.add(id(source))
             return Shard(location, source)
-    piece = location.take(source.detach()).to(device)
+    piece = (location.take(source.detach()) if values is None else values).to(device=device, dtype=source.dtype)
     if role == "parameter" and source.requires_grad:
         piece = torch.nn.Parameter(piece)
     return Shard(location, piece)

@@ -1,8 +1,8 @@
 """What ``NnScalerStrategy`` saves and restores: the full module refreshed from the pieces, and
 sharded checkpoints (``lightning_nnscaler.checkpoint`` holds the format).
 
-The full LightningModule is refreshed from every rank's pieces (``copy_pieces_into``) before
-evaluation loops and at the end of training.
+The full LightningModule is refreshed from every rank's pieces (``strategy.full_module``) before
+evaluation loops the plan does not run and at the end of training.
 
 Saving: each rank lists the pieces it holds (model boxes; optimizer state of the boxes or ZeRO
 chunks its optimizer updates); the lists are gathered (small: locations only) so that a box held
@@ -35,19 +35,11 @@ from lightning_nnscaler.checkpoint import (
     COMMON, POINTER, README, SAVE_RECORD, CheckpointError, claim, commit, partial_directory, rank_file_name, rank_payload,
     write_atomically, write_readme,
 )
+from lightning_nnscaler.checkpoint.index import INDEX_KEY, piece_index
 from lightning_nnscaler.ir.box import PieceLocation, full_box
 from lightning_nnscaler.runtime.executor import RankExecutor
 
 _Entry = tuple[Any, ...]  # a piece's identity: ("model", location) or ("optimizer", index, location)
-
-
-def copy_pieces_into(module: nn.Module, gathered: list[list[tuple[PieceLocation, torch.Tensor]]]) -> None:
-    """Write every rank's ``(location, values)`` pieces (boxes, not ZeRO chunks) into ``module``'s parameters and buffers."""
-    targets = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
-    with torch.no_grad():
-        for pieces in gathered:
-            for location, values in pieces:
-                targets[location.state_key][location.region()].copy_(values)
 
 
 def tied_key_groups(module: nn.Module) -> list[list[str]]:
@@ -146,6 +138,7 @@ def save_sharded(
     group_keys: list[list[list[str]]],
     plan: dict[str, Any],
     gather: Callable[[Any], list[Any]],
+    materialize: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None,
 ) -> None:
     """Write ``checkpoint`` as a sharded checkpoint directory at ``path`` (all ranks call it).
 
@@ -162,6 +155,7 @@ def save_sharded(
         group_keys: Per optimizer, ``group_keys_of``.
         plan: Recipe, parameters and code hash, recorded in the metadata.
         gather: Every rank's object, by rank (a collective).
+        materialize: The whole values of a tensor of ``module`` on the meta device that no plan piece holds.
 
     Raises:
         CheckpointError: ``path`` is refused or busy (nothing written), a rank failed to write its file, rank 0
@@ -173,7 +167,7 @@ def save_sharded(
         if refusal is not None:
             raise CheckpointError(refusal)
         _write_and_commit(
-            checkpoint, path, token, rank=rank, world_size=world_size, module=module, model_pieces=model_pieces,
+            checkpoint, path, token, rank=rank, world_size=world_size, module=module, model_pieces=model_pieces, materialize=materialize,
             optimizer_pieces=optimizer_pieces, group_keys=group_keys, plan=plan, gather=gather,
         )
 
@@ -202,6 +196,7 @@ def _write_and_commit(
     group_keys: list[list[list[str]]],
     plan: dict[str, Any],
     gather: Callable[[Any], list[Any]],
+    materialize: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None,
 ) -> None:
     """The save under rank 0's claim: every rank writes its file into the partial directory; rank 0 commits (see ``save_sharded``)."""
     save = {"token": token, "world_size": world_size, "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
@@ -212,7 +207,7 @@ def _write_and_commit(
     writers = _first_holders(gather(entries))
     mine = [(location, value) for location, value in model_pieces if writers[("model", location)] == rank]
     if rank == 0:
-        mine += _state_the_plan_does_not_hold(module, {entry[1].state_key for entry in writers if entry[0] == "model"})
+        mine += _state_the_plan_does_not_hold(module, {entry[1].state_key for entry in writers if entry[0] == "model"}, materialize)
     my_optimizer_pieces = [
         [(location, state) for location, state in pieces if writers[("optimizer", index, location)] == rank]
         for index, pieces in enumerate(optimizer_pieces)
@@ -235,6 +230,7 @@ def _write_and_commit(
         verdict = _commit_or_refuse(path, partial, reports, {
             "world_size": world_size, **plan, "save": save, **_model_description(module),
             "param_group_keys": group_keys if with_optimizers else [],
+            INDEX_KEY: _piece_index(writers, [location for location, _ in mine], world_size, len(optimizer_pieces)),
         })
     verdict = gather(verdict)[0]  # nobody goes on (e.g. to load or remove it) before the checkpoint is in place
     if verdict is not None:
@@ -290,6 +286,19 @@ def _model_description(module: nn.Module) -> dict[str, Any]:
     }
 
 
+def _piece_index(writers: dict[_Entry, int], rank0_model: list[PieceLocation], world_size: int, optimizers: int) -> dict[str, Any]:
+    """The metadata's index of which rank file holds which pieces (``checkpoint.index``), as ``writers`` assigned them;
+    rank 0's model pieces are ``rank0_model`` (its share and the state the plan does not hold)."""
+    model: list[list[PieceLocation]] = [list(rank0_model)] + [[] for _ in range(world_size - 1)]
+    states: list[list[list[PieceLocation]]] = [[[] for _ in range(optimizers)] for _ in range(world_size)]
+    for entry, rank in writers.items():
+        if entry[0] == "model" and rank != 0:
+            model[rank].append(entry[1])
+        elif entry[0] == "optimizer":
+            states[rank][entry[1]].append(entry[2])
+    return piece_index({rank_file_name(rank, world_size): (model[rank], states[rank]) for rank in range(world_size)})
+
+
 def _first_holders(per_rank: list[list[_Entry]]) -> dict[_Entry, int]:
     """The lowest rank holding each piece: the one that writes it."""
     writers: dict[_Entry, int] = {}
@@ -299,8 +308,11 @@ def _first_holders(per_rank: list[list[_Entry]]) -> dict[_Entry, int]:
     return writers
 
 
-def _state_the_plan_does_not_hold(module: nn.Module, held_keys: set[str]) -> list[tuple[PieceLocation, torch.Tensor]]:
-    """Whole values of every tensor of ``module`` that no rank holds a piece of (one key per tied group)."""
+def _state_the_plan_does_not_hold(
+    module: nn.Module, held_keys: set[str], materialize: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None,
+) -> list[tuple[PieceLocation, torch.Tensor]]:
+    """Whole values of every tensor of ``module`` that no rank holds a piece of (one key per tied group); a tensor on
+    the meta device (a module built under deferred init) by ``materialize(key, tensor)``."""
     tied = {key: group for group in tied_key_groups(module) for key in group}
     written: set[str] = set()
     pieces = []
@@ -309,7 +321,8 @@ def _state_the_plan_does_not_hold(module: nn.Module, held_keys: set[str]) -> lis
         if held_keys.intersection(group) or written.intersection(group):
             continue
         written.add(key)
-        pieces.append((PieceLocation(key, full_box(value.shape)), value.detach()))
+        whole = materialize(key, value) if value.is_meta and materialize is not None else value.detach()
+        pieces.append((PieceLocation(key, full_box(value.shape)), whole))
     return pieces
 
 

@@ -54,10 +54,11 @@ loaded them (``planning.gather_replica_batch``), so the training is ddp's whiche
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Generator, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -78,6 +79,8 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.compile import to_uncompiled
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -85,8 +88,10 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_nnscaler.capture.meta_module import has_meta_tensors
 from lightning_nnscaler.codegen import module_from_source
-from lightning_nnscaler.ir.box import PieceLocation
+from lightning_nnscaler.init import InitRecord, recording_init
+from lightning_nnscaler.ir.box import PieceLocation, full_box
 from lightning_nnscaler.ir.randomness import RandomStream
 from lightning_nnscaler.parallelize import Plan
 from lightning_nnscaler.plans.catalog import on_register
@@ -94,10 +99,12 @@ from lightning_nnscaler.runtime import TorchDistributedCommunicator
 from lightning_nnscaler.runtime.executor import RankExecutor
 from lightning_nnscaler import checkpoint as sharded_checkpoint
 from lightning_nnscaler.strategy.checkpoint import (
-    copy_pieces_into, every_rank_is_saving, group_keys_of, held_model_pieces, held_optimizer_pieces, save_sharded,
+    every_rank_is_saving, group_keys_of, held_model_pieces, held_optimizer_pieces, save_sharded,
     single_device_param_groups,
 )
 from lightning_nnscaler.strategy.failures import ReportingScriptLauncher
+from lightning_nnscaler.strategy.evaluation import EVALUATION_CONTEXTS, EvaluationCall, forward_only
+from lightning_nnscaler.strategy.full_module import assign_state_dict, fill_module, gather_state, held_pieces, restore_pieces
 from lightning_nnscaler.strategy.gradients import (
     GradientStash, broadcast_buffers, clip_grad_norm, gradient_holders, move_param_groups, piece_locations, replica_counts, zero_grad_observers,
 )
@@ -106,7 +113,7 @@ from lightning_nnscaler.strategy.plan_logging import log_measured_step, log_plan
 from lightning_nnscaler.strategy.step_timing import PredictedStep, StepTimer, predict_step
 from lightning_nnscaler.plans.layout import RecipeLayout
 from lightning_nnscaler.strategy.planning import (
-    KeptTargetsCheck, batch_signature, check_fits, check_step_variants, check_new_signature, check_recipe, check_supported, gather_replica_batch,
+    MAX_PLANS, MAX_STEP_VARIANTS, KeptTargetsCheck, batch_signature, check_fits, check_step_variants, check_new_signature, check_recipe, check_supported, gather_replica_batch,
     graph_inputs, plan_training_step, random_masks_notice, reads_other_rows, share_pieces,
 )
 
@@ -191,6 +198,16 @@ class NnScalerStrategy(ParallelStrategy):
         self._group_keys: list[list[list[str]]] = []
         self._locations: dict[int, PieceLocation] = {}
         self._module_is_stale = False
+        self._evaluation_plans: dict[tuple, Optional[list[tuple[Plan, RankExecutor]]]] = {}
+        self._init_records: list[InitRecord] = []
+        self._pending_pieces: Optional[str] = None
+        """A sharded checkpoint to read this rank's slices of once the plan says which (a module built on meta)."""
+        self.bytes_read = 0
+        """Bytes this rank read from checkpoints per slice (``restore_pieces``)."""
+        self.compile_context: Any = None
+        """The ``torch.compile`` context of a compiled module the user passed (its steps are planned uncompiled)."""
+        """What ``tensor_init_context`` recorded: the initial values of the module's meta tensors."""
+        """Evaluation steps' plans by ``EvaluationCall.key``; None where the step runs on the full module."""
         self._layout: Optional[RecipeLayout] = None
         self.predicted_step: Optional[PredictedStep] = None
         """Rank 0: the simulated step of the first plan (``step_timing.predict_step``; None if it failed)."""
@@ -198,6 +215,24 @@ class NnScalerStrategy(ParallelStrategy):
         """Rank 0: this fit's optimizer step times (``step_timing.StepTimer``); its median is logged at the end."""
 
     # --- devices, ranks, launch ----------------------------------------------------------------
+
+    @property
+    def _lightning_module(self) -> Optional[LightningModule]:
+        return self.__dict__.get("_module_uncompiled")
+
+    @_lightning_module.setter
+    def _lightning_module(self, module: Optional[LightningModule]) -> None:
+        """Lightning hands the strategy a ``torch.compile``'d module unwrapped, its steps still compiled
+        (``from_compiled``); the plan captures the steps as written, so they are uncompiled here, before
+        Lightning checks the strategy supports compilation, and the compile options are kept."""
+        if module is not None and getattr(module, "_compiler_ctx", None) is not None:
+            self.compile_context = module._compiler_ctx["dynamo_ctx"]
+            to_uncompiled(module)
+            rank_zero_warn(
+                f"NnScalerStrategy plans {type(module).__name__} as written, not as torch.compile compiled it: the generated "
+                "per-rank code runs eagerly (compiling it is not built yet)"
+            )
+        self.__dict__["_module_uncompiled"] = module
 
     @property
     @override
@@ -322,19 +357,68 @@ class NnScalerStrategy(ParallelStrategy):
         )
 
     def _broadcast_module_state(self) -> None:
-        """Start every rank from rank 0's weights, as DDP does (a script run per device may seed differently)."""
+        """Start every rank from rank 0's weights, as DDP does (a script run per device may seed differently).
+
+        A module built on meta has no weights to broadcast: every rank must have recorded the same initial values.
+
+        Raises:
+            MisconfigurationException: ranks built the module on meta under different seeds.
+        """
         if self.world_size == 1 or not _distributed_is_initialized():
             return
         assert self.lightning_module is not None
+        tensors = [*self.lightning_module.parameters(), *self.lightning_module.buffers()]
+        if any(tensor.is_meta for tensor in tensors):
+            digests = self._all_gather_objects([record.digest() for record in self._init_records])
+            if any(digest != digests[0] for digest in digests):
+                raise MisconfigurationException(
+                    "the ranks built the model on the meta device with different initial values (the seed differs per rank), and "
+                    "a module on meta has no weights to broadcast: call lightning.seed_everything(seed) before building it"
+                )
         with torch.no_grad():
-            for tensor in [*self.lightning_module.parameters(), *self.lightning_module.buffers()]:
-                dist.broadcast(tensor.data, src=0)
+            for tensor in tensors:
+                if not tensor.is_meta:
+                    dist.broadcast(tensor.data, src=0)
 
     @override
     def model_to_device(self) -> None:
-        """Move the full LightningModule (used for evaluation and as the source of the pieces) to the device."""
+        """Move the LightningModule (the source of the pieces) to the device; tensors on meta stay there."""
         assert self.model is not None
-        self.model.to(self.root_device)
+        if has_meta_tensors(self.model):
+            self.model._apply(lambda tensor: tensor if tensor.is_meta else tensor.to(self.root_device))
+        else:
+            self.model.to(self.root_device)
+
+    @override
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """Build the module on the meta device while recording its initialization (``lightning_nnscaler.init``):
+        each rank then materializes only its own pieces, with the values the same seed gives on one device, and no
+        rank holds the whole model. ``Trainer.init_module()`` and ``configure_model()`` run under it;
+        ``init_module(empty_init=False)`` builds the module on the device instead, as ``ddp`` does."""
+        if empty_init is False:
+            with super().tensor_init_context(empty_init=False):
+                yield
+            return
+        with recording_init(self.root_device) as record, self.precision_plugin.tensor_init_context():
+            yield
+        self._init_records.append(record)
+
+    def _materialize_piece(self, location: PieceLocation, tensor: Tensor) -> Tensor:
+        """The values of ``location`` of a module tensor on meta, from the initialization recorded for it.
+
+        Raises:
+            MisconfigurationException: the tensor lies on meta but was not built under ``tensor_init_context``.
+        """
+        record = next((record for record in self._init_records if record.owns(tensor)), None)
+        if record is None:
+            raise MisconfigurationException(
+                f"{location.state_key} lies on the meta device but was not built under NnScalerStrategy's tensor_init_context, so "
+                "it has no values: build the model inside `with trainer.init_module():` or in configure_model(), or give it real values"
+            )
+        if location.chunk is None:
+            return record.materialize_tensor(tensor, location.box, device=self.root_device, name=location.state_key)
+        return location.take(record.materialize_tensor(tensor, device=self.root_device, name=location.state_key))
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -361,6 +445,7 @@ class NnScalerStrategy(ParallelStrategy):
         rank, world_size = self.global_rank, self.world_size
         first = self.executor is None
         if first:
+            self._evaluation_plans = {}  # planned before training, over the module's tensors: share the training pieces from now
             self._plans_by_shape: dict[tuple, list[tuple[Plan, RankExecutor]]] = {}
             self._kept_targets_check = KeptTargetsCheck()
         if signature in self._plans_by_shape:  # every rank sees the same step values: all plan again alike
@@ -392,11 +477,15 @@ class NnScalerStrategy(ParallelStrategy):
         self.executor = RankExecutor(
             code, rank, state, plan.graph.constant_values, communicator, self.root_device, input_offsets=plan.input_offsets(rank),
             bucket_bytes=None if self.bucket_cap_mb is None else int(self.bucket_cap_mb * 2**20), share_parameters=True,
+            materialize=self._materialize_piece,
         )
         self.plan = plan
         self._plans_by_shape[signature] = [(plan, self.executor)]
         self._group_keys = [move_param_groups(optimizer, module, self.executor) for optimizer in self.optimizers]
         self._locations = piece_locations(self.executor)
+        if self._pending_pieces is not None:  # resuming a module built on meta: this rank's slices of the checkpoint
+            self.bytes_read += restore_pieces(self._pending_pieces, module, self.executor, self.optimizers, self._locations)
+            self._pending_pieces = None
         trainer = module.trainer
         self._gradient_stash = GradientStash(gradient_holders(self.executor), keep_earlier=bool(zero_grad_observers(module, trainer.callbacks)))
         self._replicas = replica_counts(self.executor)
@@ -501,24 +590,20 @@ class NnScalerStrategy(ParallelStrategy):
     # --- evaluation and the full module ----------------------------------------------------------
 
     def _refresh_module(self) -> None:
-        """Copy every rank's current pieces into the full LightningModule (a collective: all ranks call it)."""
-        if self.executor is None or not self._module_is_stale:
-            return
+        """Write every rank's current pieces into the full LightningModule, one piece at a time (a collective:
+        all ranks call it; ``strategy.full_module``)."""
+        if self.executor is None or not self._module_is_stale or has_meta_tensors(self.lightning_module):
+            return  # a module built on meta stays there: full_state_dict() gives its values
         assert self.lightning_module is not None
-        # A parameter every rank holds as the module's own tensor (``share_parameters``) is current everywhere.
-        own = {id(parameter) for parameter in self.lightning_module.parameters()}
-        everywhere = {PieceLocation(key, box) for key, box, ranks in self.executor.module.GRADIENT_GROUPS if len(ranks) == self.world_size}
-        shards = self.executor.full_shards().values() if self.executor.reducer.zero_stage == 3 else self.executor.shards.values()
-        pieces = [
-            (shard.location, shard.tensor.detach().cpu()) for shard in shards
-            if not (id(shard.tensor) in own and (self.world_size == 1 or shard.location in everywhere))
-        ]
-        gathered = self._all_gather_objects(pieces)
-        # This rank's own pieces last: a buffer the step writes per replica (BatchNorm's running statistics)
-        # keeps this rank's values, as a ddp rank keeps its own.
-        rank = self.global_rank
-        copy_pieces_into(self.lightning_module, [*gathered[:rank], *gathered[rank + 1 :], gathered[rank]])
+        fill_module(
+            self.lightning_module, held_pieces(self.executor), self.global_rank, self.world_size, self._all_gather_objects,
+            self._broadcast_tensor,
+        )
         self._module_is_stale = False
+
+    def _broadcast_tensor(self, tensor: Tensor, src: int) -> None:
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=src)
 
     def _all_gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, by rank (a collective)."""
@@ -536,13 +621,131 @@ class NnScalerStrategy(ParallelStrategy):
 
     @override
     def on_validation_start(self) -> None:
-        """Validate the current weights: refresh the full module from the pieces."""
+        """Keep the full module current for the loop's hooks (the steps run through the plan, ``strategy.evaluation``)."""
         self._refresh_module()
 
     @override
     def on_test_start(self) -> None:
-        """Test the current weights: refresh the full module from the pieces."""
+        """Keep the full module current for the loop's hooks (the steps run through the plan, ``strategy.evaluation``)."""
         self._refresh_module()
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's ``validation_step`` planned forward-only over the training pieces (``strategy.evaluation``)."""
+        return self._evaluation_step(EvaluationCall.of("validation_step", args, kwargs), args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's ``test_step`` planned forward-only over the training pieces (``strategy.evaluation``)."""
+        return self._evaluation_step(EvaluationCall.of("test_step", args, kwargs), args, kwargs)
+
+    def _evaluation_step(self, call: EvaluationCall, args: tuple, kwargs: dict[str, Any]) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        context = getattr(self.precision_plugin, EVALUATION_CONTEXTS[call.step])
+        held = self._evaluation_plan(call)
+        if held is None:
+            self._refuse_on_meta(call.step)
+            self._refresh_module()
+            with context():
+                return getattr(module, call.step)(*args, **kwargs)
+        plan, executor = held
+        executor.set_constants(plan.step_values.constants(self._step_quantities(call.batch_idx)))
+        inputs = graph_inputs(plan, call.batch, self.layout)
+        if reads_other_rows(self.layout, plan.data_layout, self.world_size):
+            inputs = gather_replica_batch(inputs, self.layout, plan.data_layout, self.global_rank, self._all_gather_tensor)
+        with context():
+            value = forward_only(executor, inputs)
+        if plan.logged is not None:  # this rank's replica's values, as under ddp
+            for name, logged, options in plan.logged.logs(executor.values, self.layout.replica(self.global_rank), module):
+                module.log(name, logged, **options)
+        return value if plan.returned == "value" else None
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's ``predict_step`` on the full LightningModule, refreshed from the pieces."""
+        self._refuse_on_meta("predict_step")
+        return super().predict_step(*args, **kwargs)
+
+    def _refuse_on_meta(self, step: str) -> None:
+        """Raise where a step must run on the full module but the module was built on the meta device.
+
+        Raises:
+            MisconfigurationException: naming the step and what to do instead.
+        """
+        module = self.lightning_module
+        if module is not None and has_meta_tensors(module):
+            raise MisconfigurationException(
+                f"{type(module).__name__}.{step} must run on the whole module (the plan cannot run it), but the module was built on "
+                "the meta device (Trainer.init_module() / configure_model()) and no rank holds it whole. Run it on a module with "
+                "real weights: strategy.full_state_dict() or `lightning-nnscaler ckpt merge` give them"
+            )
+
+    def _evaluation_plan(self, call: EvaluationCall) -> Optional[tuple[Plan, RankExecutor]]:
+        """The plan and executor for ``call`` (planned on the first call of its shapes and per-step outcomes), or
+        None where the step runs on the full module (said once per step and shapes)."""
+        module = self.lightning_module
+        assert module is not None
+        known = self._evaluation_plans.get(call.key, [])
+        if known is None:
+            return None
+        values = self._step_quantities(call.batch_idx)
+        for plan, executor in known:
+            if plan.step_values.failed_guard(values) is None:
+                plan.step_values.check(module)
+                return plan, executor
+        reason, held = self._plan_evaluation(call, known)
+        if held is None:
+            self._evaluation_plans[call.key] = None
+            rank_zero_warn(f"NnScalerStrategy runs {type(module).__name__}.{call.step} on the full LightningModule: {reason}")
+            return None
+        self._evaluation_plans[call.key] = [*known, held]
+        return held
+
+    def _plan_evaluation(self, call: EvaluationCall, known: list) -> tuple[str, Optional[tuple[Plan, RankExecutor]]]:
+        """Plan ``call``'s step and build its executor on every rank alike, or say why not (the same on every rank)."""
+        if self.recipe == "auto":
+            return "recipe 'auto' searches plans for training_step only", None
+        if len(known) >= MAX_STEP_VARIANTS or len(self._evaluation_plans) >= MAX_PLANS:
+            return f"it was planned for {MAX_PLANS} batch shapes or {MAX_STEP_VARIANTS} per-step outcomes already", None
+        context = getattr(self.precision_plugin, EVALUATION_CONTEXTS[call.step])
+        held, reason = None, ""
+        try:
+            with context():
+                plan = plan_training_step(
+                    self.lightning_module, call.batch, self.recipe, self.recipe_params, self.world_size, self._all_gather_objects,
+                    allow_partial=self.allow_partial, batch_idx=call.batch_idx, step=call.step, step_args=call.extra,
+                )
+            held = (plan, self._evaluation_executor(plan))
+        except (MisconfigurationException, ValueError) as error:
+            reason = str(error)
+        if not all(self._all_gather_objects(held is not None)):  # a plan whose pieces differ on one rank runs nowhere
+            return reason or "on another rank the plan holds other pieces than training's", None
+        return reason, held
+
+    def _evaluation_executor(self, plan: Plan) -> RankExecutor:
+        """An executor of ``plan`` over the training plan's pieces, or over copies of the module's tensors before training
+        planned (dropped when it does).
+
+        Raises:
+            ValueError: the plan holds other pieces than the training plan (``RankExecutor.sharing_pieces``).
+        """
+        rank = self.global_rank
+        code = module_from_source(plan.sources[rank], f"nnscaler_rank{rank}_{plan.plan_hash[:12]}")
+        if self.executor is not None:
+            first_executor = next(iter(self._plans_by_shape.values()))[0][1]
+            return first_executor.sharing_pieces(code, plan.graph.constant_values, plan.input_offsets(rank))
+        module = self.lightning_module
+        assert module is not None
+        state = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
+        executor = RankExecutor(
+            code, rank, state, plan.graph.constant_values, TorchDistributedCommunicator(timeout=self.timeout), self.root_device,
+            input_offsets=plan.input_offsets(rank), share_parameters=False,  # its reducer must not hook the module's tensors
+            materialize=self._materialize_piece,
+        )
+        if self._pending_pieces is not None:  # evaluating a checkpoint of a module built on meta
+            self.bytes_read += restore_pieces(self._pending_pieces, module, executor, None, {})
+        return executor
 
     @override
     def on_predict_start(self) -> None:
@@ -607,21 +810,51 @@ class NnScalerStrategy(ParallelStrategy):
                 "plan_hash": self.plan.plan_hash if self.plan is not None and self.executor is not None else None,
             },
             gather=self._all_gather_objects,
+            materialize=lambda key, tensor: self._materialize_piece(PieceLocation(key, full_box(tensor.shape)), tensor),
+        )
+
+    def full_state_dict(self, rank: int = 0) -> dict[str, Tensor]:
+        """The whole model's current state_dict on ``rank`` (an empty dict on the others), streamed one piece at a time:
+        the other ranks never hold more than one piece beyond their own (a collective: every rank calls it)."""
+        module = self.lightning_module
+        assert module is not None
+        held = held_pieces(self.executor) if self.executor is not None else []
+        return gather_state(
+            module, held, self.global_rank, rank, self._all_gather_objects, self._broadcast_tensor,
+            lambda key, tensor: self._materialize_piece(PieceLocation(key, full_box(tensor.shape)), tensor),
         )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """The single-device checkpoint, assembled from a sharded directory (saved under any recipe and
-        world size) or read from a plain file; always ``torch.load(weights_only=True)``."""
+        world size) or read from a plain file; always ``torch.load(weights_only=True)``. For a module built on
+        meta a sharded directory is not assembled: Lightning gets its loops, callbacks and optimizer
+        hyperparameters, and each rank reads only its own pieces' slices once the plan says which
+        (``full_module.restore_pieces``)."""
         if sharded_checkpoint.is_sharded_checkpoint(checkpoint_path):
+            module = self.lightning_module
+            if module is not None and has_meta_tensors(module):  # each rank reads its slices once planned
+                self._pending_pieces = str(checkpoint_path)
+                return {**sharded_checkpoint.read_pieces(checkpoint_path, []).common, "state_dict": {}}
             return sharded_checkpoint.load(checkpoint_path)
         return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=True)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        """Load the full module; it is the truth now (an earlier fit's pieces are dropped)."""
-        super().load_model_state_dict(checkpoint, strict=strict)
+        """Load the full module; it is the truth now (an earlier fit's pieces are dropped). A module on meta takes the
+        checkpoint's tensors as its own (tied weights stay tied)."""
+        module = self.lightning_module
+        assert module is not None
+        if has_meta_tensors(module) and self._pending_pieces is not None:
+            self.executor = None  # the next plan's pieces are read from the checkpoint, slice by slice
+            self._evaluation_plans = {}
+            return
+        if has_meta_tensors(module):
+            assign_state_dict(module, checkpoint["state_dict"], strict=strict)
+        else:
+            super().load_model_state_dict(checkpoint, strict=strict)
         self.executor = None
+        self._evaluation_plans = {}
         self._module_is_stale = False
 
     # --- collectives -----------------------------------------------------------------------------
@@ -663,6 +896,13 @@ class NnScalerStrategy(ParallelStrategy):
         module = self.lightning_module
         if module is not None and module._trainer is not None and module._trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             self.model = self._layer_sync.revert(self.model)  # as DDPStrategy; the layers keep their tensors
+        if module is not None and has_meta_tensors(module):  # Lightning's teardown moves the module to the CPU: not from meta
+            module._apply(lambda tensor: tensor if tensor.is_meta else tensor.cpu())
+            _optimizers_to_device(self.optimizers, torch.device("cpu"))
+            for part in (self.precision_plugin, self.accelerator, self.checkpoint_io, self.cluster_environment):
+                if part is not None:
+                    part.teardown()
+            return
         super().teardown()
 
     @classmethod

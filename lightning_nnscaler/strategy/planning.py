@@ -58,9 +58,10 @@ def _usage_example(recipe: str) -> str:
 
 def plan_training_step(
     module: LightningModule, batch: Any, recipe: str, params: dict[str, Any], world_size: int,
-    gather: Callable[[Any], list[Any]], *, allow_partial: bool = False, batch_idx: int = 0,
+    gather: Callable[[Any], list[Any]], *, allow_partial: bool = False, batch_idx: int = 0, step: str = "training_step",
+    step_args: tuple = (),
 ) -> Plan:
-    """Trace ``module.training_step`` on the whole batch of ``batch``'s shapes and plan it with ``recipe``
+    """Trace ``module.training_step`` (or the evaluation ``step``, called with ``step_args`` after ``batch_idx``) on the whole batch of ``batch``'s shapes and plan it with ``recipe``
     for ``world_size`` ranks.
 
     ``batch`` is this rank's data-parallel replica's batch; the step is traced on a whole batch of
@@ -78,7 +79,7 @@ def plan_training_step(
             if module.global_rank != 0:  # every rank plans the same program: rank 0 alone says what it notices
                 warnings.simplefilter("ignore", GlobalMeanWarning)
             plan = parallelize(
-                module, whole_batch(batch, replicas), recipe, world_size, step="training_step", batch_idx=batch_idx,
+                module, whole_batch(batch, replicas), recipe, world_size, step=step, batch_idx=batch_idx, step_args=step_args,
                 allow_partial=allow_partial, progress=rank_zero_info, **params,
             )
     except Exception as error:  # noqa: BLE001 - every planning failure gets the recipe and the fix
@@ -87,7 +88,7 @@ def plan_training_step(
             "(per data-parallel replica) and `devices`."
         ) if breaks_recipe_constraints(error) else ""
         raise MisconfigurationException(
-            f"NnScalerStrategy could not plan {type(module).__name__}.training_step with recipe {recipe!r} {params} on "
+            f"NnScalerStrategy could not plan {type(module).__name__}.{step} with recipe {recipe!r} {params} on "
             f"{world_size} ranks: {error}{hint}"
         ) from error
     hashes = gather(plan.plan_hash)

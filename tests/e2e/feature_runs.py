@@ -105,6 +105,8 @@ def features_run(strategy: Any, devices: int, save_dir: Path, *, wandb: bool = F
         result["validate"] = trainer.validate(model, data["val"], verbose=False)[0]
         result["test"] = trainer.test(model, data["test"], verbose=False)[0]
         result["predictions"] = torch.cat(trainer.predict(model, data["test"]))
+        plans = getattr(trainer.strategy, "_evaluation_plans", {})  # how each evaluation step ran: "plan" or "module"
+        result["evaluated_by"] = {key[0]: "module" if held is None else "plan" for key, held in plans.items()}
     result["state"] = {key: value.detach().clone() for key, value in model.state_dict().items()}
     if wandb and trainer.global_rank == 0:
         import wandb as wandb_module

@@ -239,7 +239,7 @@ def make_strategy(strategy: str | dict[str, Any] | Any) -> Any:
 def fit(
     strategy: Any, *, model: str = "gpt", devices: int, steps: int = STEPS, accumulate: int = 1, clip: float | None = None,
     validate: bool = True, samples: int | None = None, checkpoint_dir: str | None = None, resume_from: str | None = None,
-    **trainer_kwargs: Any,
+    init: str = "eager", compile_backend: str | None = None, **trainer_kwargs: Any,
 ) -> dict[str, Any]:
     """Train ``model`` (a key of `MODELS`) up to ``steps`` optimizer steps (each ``accumulate``
     batches of ``GLOBAL_BATCH`` samples), then validate.
@@ -249,6 +249,10 @@ def fit(
         samples: Samples per epoch; by default exactly ``steps`` optimizer steps' worth.
         checkpoint_dir: Save a checkpoint there at the end of every epoch (``ModelCheckpoint``).
         resume_from: Resume training from that checkpoint (``trainer.fit(ckpt_path=...)``).
+        init: ``"eager"`` builds the model as it is; ``"init_module"`` builds it under ``trainer.init_module()``
+            (on meta under nnscaler: the state returned is then ``strategy.full_state_dict()``, and ``on_meta`` says
+            whether the module the user holds stayed on meta after the fit and validation).
+        compile_backend: Hand the Trainer ``torch.compile(model, backend=compile_backend)`` instead of the model.
 
     Returns:
         The per-batch losses (as Lightning hands them to ``on_train_batch_end``: divided by
@@ -269,15 +273,24 @@ def fit(
         gradient_clip_val=clip, logger=False, enable_checkpointing=bool(checkpoint_dir), enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder, *checkpoints], **trainer_kwargs,
     )
-    module = build()
-    trainer.fit(module, train, val, ckpt_path=resume_from)  # validates at each epoch's end, mid-training too
+    if init == "init_module":
+        with trainer.init_module():
+            module = build()
+    else:
+        module = build()
+    trainer.fit(torch.compile(module, backend=compile_backend) if compile_backend else module, train, val, ckpt_path=resume_from)
     boxes, reads = held_boxes(trainer.strategy), parameter_reads(getattr(trainer.strategy, "plan", None))
     train_loss = float(trainer.callback_metrics["train_loss"])
     val_loss = float(trainer.validate(module, val, verbose=False)[0]["val_loss"]) if validate else None
-    state = {key: value.detach().clone() for key, value in module.state_dict().items()}
+    on_meta = any(tensor.is_meta for tensor in module.state_dict().values())
+    if on_meta:
+        state = trainer.strategy.full_state_dict(rank=0)
+    else:
+        state = {key: value.detach().clone() for key, value in module.state_dict().items()}
     return {
         "losses": recorder.losses, "learning_rates": recorder.learning_rates, "gradient_norms": recorder.gradient_norms,
-        "train_loss": train_loss, "val_loss": val_loss, "state": state, "boxes": boxes, "reads": reads,
+        "train_loss": train_loss, "val_loss": val_loss, "state": state, "boxes": boxes, "reads": reads, "on_meta": on_meta,
+        "bytes_read": getattr(trainer.strategy, "bytes_read", None),
     }
 
 
