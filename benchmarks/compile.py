@@ -1,14 +1,18 @@
-"""Compile time: trace + plan + materialize + codegen for GPT-2 124M, and op_order at scale.
+"""Compile time: trace + plan + materialize + codegen for GPT-2 124M, one rank's planning at scale, and op_order at scale.
 
-Goals on a 2-core machine: tp=8 < 5 s; dp x tp on 128 ranks (dp=16, tp=8) < 30 s; a pipeline
-schedule over a ~35k-piece plan added with one op_orders call, not one re-sort per edge.
-Run: python benchmarks/compile.py [--only compile|op_order]
+Goals on a 2-core machine: tp=8 < 5 s; dp x tp on 128 ranks (dp=16, tp=8) < 30 s; one rank's planning of
+hybrid3d (dp x tp 4 x pp 4, sequence 128) < 5 s at 128 ranks and < 30 s at 1024; a pipeline schedule over a
+~35k-piece plan added with one op_orders call, not one re-sort per edge.
+Run: python benchmarks/compile.py [--only compile|rank|op_order] [--replicas 8,64]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import subprocess
+import sys
 import time
 
 import torch
@@ -55,6 +59,51 @@ def compile_table() -> None:
             f"{label:<26} {stages['trace']:7.2f} {stages['plan']:7.2f} {stages['materialize']:12.2f} "
             f"{stages['codegen']:8.2f} {total:8.2f} {goal:6.1f} {total / goal:10.2f}"
         )
+
+
+RANK_GOALS = {128: 5.0, 1024: 30.0}  # seconds for one rank's planning, by world size (issue 35)
+
+
+def one_rank_seconds(replicas: int) -> dict[str, float]:
+    """Seconds of each stage of rank 0's ``parallelize`` of GPT-2 124M (sequence 128, 4 rows per replica, so 4
+    microbatches) with ``hybrid3d`` at dp ``replicas`` × tp 4 × pp 4: what one process of that job plans."""
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(GPTConfig.gpt2_124m(), seq_len=128))
+    batch = model.example_batch(4 * replicas)
+    stages: dict[str, float] = {}
+
+    def record(line: str) -> None:
+        if ": done in " in line:
+            what, seconds = line.rsplit(": done in ", 1)
+            stages[what.split()[0]] = float(seconds.split()[0])
+
+    start, cpu = time.perf_counter(), time.process_time()
+    lnn.parallelize(model, batch, "hybrid3d", 16 * replicas, step="training_step", dp=replicas, tp=4, pp=4, rank=0, progress=record)
+    stages["total"] = time.perf_counter() - start
+    stages["cpu"] = time.process_time() - cpu  # what the wall time would be on an idle core (the machine may be shared)
+    return stages
+
+
+def rank_table(replicas: list[int]) -> None:
+    """One rank's planning seconds per world size (each in a fresh process), and the growth from the first to the last."""
+    print("one rank's planning: GPT-2 124M, sequence 128, hybrid3d dp x tp 4 x pp 4, 4 microbatches, rank 0")
+    print(f"{'ranks':>6} {'tracing':>8} {'planning':>9} {'materializing':>14} {'total s':>8} {'cpu s':>6} {'goal':>6}")
+    totals = []
+    for count in replicas:
+        output = subprocess.run(
+            [sys.executable, __file__, "--one-rank", str(count)], check=True, capture_output=True, text=True,
+        ).stdout
+        stages = json.loads(output.strip().splitlines()[-1])
+        ranks = 16 * count
+        goal = RANK_GOALS.get(ranks)
+        totals.append((ranks, stages["cpu"]))
+        print(
+            f"{ranks:6d} {stages['tracing']:8.1f} {stages['planning']:9.1f} {stages['materializing']:14.1f} {stages['total']:8.1f} "
+            f"{stages['cpu']:6.1f} {goal if goal else '':>6}"
+        )
+    if len(totals) > 1:
+        (first, first_total), (last, last_total) = totals[0], totals[-1]
+        print(f"growth {first} -> {last} ranks: x{last_total / first_total:.1f} CPU time for x{last / first:.0f} ranks")
 
 
 OP_ORDER_COMPLEXITY = (
@@ -131,10 +180,18 @@ def op_order_table() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("compile", "op_order"), help="run one table (default: both)")
-    only = parser.parse_args().only
+    parser.add_argument("--only", choices=("compile", "rank", "op_order"), help="run one table (default: all)")
+    parser.add_argument("--replicas", default="8,64", help="data-parallel replicas of the rank table (x 16 ranks each)")
+    parser.add_argument("--one-rank", type=int, help=argparse.SUPPRESS)  # a fresh process of rank_table: prints JSON
+    arguments = parser.parse_args()
+    if arguments.one_rank is not None:
+        print(json.dumps(one_rank_seconds(arguments.one_rank)))
+        return
+    only = arguments.only
     if only in (None, "compile"):
         compile_table()
+    if only in (None, "rank"):
+        rank_table([int(count) for count in arguments.replicas.split(",")])
     if only in (None, "op_order"):
         op_order_table()
 

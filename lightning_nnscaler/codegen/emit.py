@@ -106,8 +106,7 @@ def emit_rank(
         lines.append(f"    ({output.name!r}, {output.var!r}, {output.seed!r}, {segment_of(output)!r}),")
     lines.append("]")
     lines.extend(_value_tables(program, rank_program))
-    posts = {key: position for key, position in receive_posts(program).items() if key[1] == rank}
-    body = partial(_body, posts=posts)
+    body = partial(_body, posts=receive_posts(program, rank))
     lines.extend(emit_segments(rank_program, schedule if program.pipelined else WHOLE_STEP_SCHEDULE, body, releases if program.pipelined else None))
     return "\n".join(lines) + "\n"
 
@@ -120,10 +119,7 @@ def _loss_outputs(program: Program, rank_program: RankProgram) -> list[RankOutpu
 def _value_tables(program: Program, rank_program: RankProgram) -> list[str]:
     """``VALUES`` (every rank: each other graph output's whole shape) and ``VALUE_PIECES`` (this rank's pieces of
     them); none when the graph outputs the loss alone. The runtime adds the counted pieces up over the ranks."""
-    shapes = {
-        output.name: output.piece.tensor.shape for each in program.ranks for output in each.outputs
-        if program.loss is not None and output.name != program.loss and output.name not in program.buffer_updates
-    }
+    shapes = program.value_shapes
     if not shapes:
         return _buffer_table(program, rank_program)
     lines = ["VALUES = {  # graph outputs summed over the ranks after the step (logged values): whole shape"]

@@ -21,8 +21,9 @@ class Graph:
     primitives (``op_trans``, ``op_assign``, ``op_order``). Ops are kept in a topological order of
     their data dependencies; a partitioned op's pieces take its place in that order.
 
-    Ops live in slots (one per op added, pieces replace their op inside its slot), so looking up
-    and replacing an op costs O(pieces), not O(graph): plans of 100k pieces stay fast.
+    Ops live in slots (one per op added, pieces replace their op inside its slot), so looking up an
+    op costs O(1) (a name index) and replacing one O(pieces of its slot), not O(graph): plans of 100k
+    pieces stay fast.
 
     Attributes:
         tensors: Every PTensor by name.
@@ -64,23 +65,27 @@ class Graph:
     @ops.setter
     def ops(self, ops: list[Op] | tuple[Op, ...]) -> None:
         self._slots: list[list[Op]] = [[op] for op in ops]
+        self._slot_names: list[list[str]] = [[op.name] for op in ops]  # beside each slot: its ops' names, searched in C
         self._slot_of: dict[str, int] = {op.name: index for index, op in enumerate(ops)}
+        self._by_name: dict[str, Op] = {op.name: op for op in ops}
         self._flat: tuple[Op, ...] | None = None
+        self._ordered_under: tuple[tuple[str, str], ...] | None = None  # see mark_dependency_order
 
     def add_op(self, op: Op) -> None:
         """Append an op at the end of the order."""
         self._slot_of[op.name] = len(self._slots)
         self._slots.append([op])
+        self._slot_names.append([op.name])
+        self._by_name[op.name] = op
         self._flat = None
+        self._ordered_under = None
 
     def op(self, op: Op | str) -> Op:
         """The graph's current op named like ``op`` (an Op handle may be stale after an edit)."""
         name = op if isinstance(op, str) else op.name
-        slot = self._slot_of.get(name)
-        if slot is not None:
-            for candidate in self._slots[slot]:
-                if candidate.name == name:
-                    return candidate
+        found = self._by_name.get(name)
+        if found is not None:
+            return found
         pieces = [candidate.name for candidate in self.ops if candidate.origin == name]
         hint = f"; it was partitioned into {pieces[:4]}{'...' if len(pieces) > 4 else ''}" if pieces else ""
         raise GraphError(f"no op named {name!r} in the graph{hint}")
@@ -97,12 +102,27 @@ class Graph:
         """Put ``replacements`` where ``op`` was."""
         name = self.op(op).name
         slot_index = self._slot_of.pop(name)
-        slot = self._slots[slot_index]
-        position = next(index for index, candidate in enumerate(slot) if candidate.name == name)
-        slot[position : position + 1] = replacements
+        del self._by_name[name]
+        names = self._slot_names[slot_index]
+        position = names.index(name)
+        self._slots[slot_index][position : position + 1] = replacements
+        names[position : position + 1] = [replacement.name for replacement in replacements]
         for replacement in replacements:
             self._slot_of[replacement.name] = slot_index
+            self._by_name[replacement.name] = replacement
         self._flat = None
+        self._ordered_under = None
+
+    def mark_dependency_order(self) -> None:
+        """Record that ``ops`` is a topological order of the data dependencies and the current ``order_edges`` (as
+        ``stable_topological_order`` returns it), so that ``validate_plan`` needs no cycle search. Any edit of the ops
+        forgets it; changed order edges void it."""
+        self._ordered_under = tuple(self.order_edges)
+
+    @property
+    def in_dependency_order(self) -> bool:
+        """Whether ``mark_dependency_order`` still holds: no op edited since, the same order edges."""
+        return self._ordered_under is not None and tuple(self.order_edges) == self._ordered_under
 
     def producers(self, tensor_name: str) -> list[Op]:
         """Ops that write a piece of the tensor."""

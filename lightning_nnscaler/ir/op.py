@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -63,6 +64,14 @@ class Op:
     def tensor_inputs(self) -> list[VTensor]:
         """Every input piece, in argument order (lists flattened); the annotation follows this order."""
         return [value for value in _walk((self.args, tuple(v for _, v in self.kwargs))) if isinstance(value, VTensor)]
+
+    def placed(self, device: int | None, segment: tuple[int, int] | None) -> Op:
+        """This op on ``device`` in ``segment``; the same call, so it keeps its input pieces once found (a recipe places
+        every piece of a large plan, often more than once)."""
+        moved = dataclasses.replace(self, device=device, segment=segment)
+        if "tensor_inputs" in self.__dict__:
+            moved.__dict__["tensor_inputs"] = self.__dict__["tensor_inputs"]
+        return moved
 
     @property
     def kwargs_dict(self) -> dict[str, Argument]:

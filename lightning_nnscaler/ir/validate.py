@@ -176,6 +176,14 @@ def validate_plan(graph: Graph, world_size: int | None = None) -> None:
                 f" call op_assign(graph, op, device) with a device below {world_size}, or raise world_size"
             )
     _check_order_edges(graph)
+    if not graph.in_dependency_order:  # in such an order every edge, a device's list order too, points forward: no cycle
+        _check_acyclic(graph)
+    if world_size is not None:
+        check_no_idle_rank(graph, world_size)
+
+
+def _check_acyclic(graph: Graph) -> None:
+    """Raise ``DeadlockError`` when data dependencies, order edges and each device's list order form a cycle."""
     names = [op.name for op in graph.ops]
     data = _data_edges(graph)
     cycle = find_cycle(names, _successors(graph, data, graph.order_edges))
@@ -183,8 +191,6 @@ def validate_plan(graph: Graph, world_size: int | None = None) -> None:
         cycle = find_cycle(names, _successors(graph, data, graph.order_edges + _device_sequence(graph)))
     if cycle is not None:
         raise _deadlock(graph, data, cycle)
-    if world_size is not None:
-        check_no_idle_rank(graph, world_size)
 
 
 def idle_ranks(graph: Graph, world_size: int) -> list[int]:
@@ -222,6 +228,7 @@ def _data_edges(graph: Graph) -> dict[str, dict[str, str]]:
     overlapping: dict[tuple[str, IndexMask], list[str]] = {}
     edges: dict[str, dict[str, str]] = {}
     place = {op.name: (op.device, op.segment) for op in graph.ops}
+    copies_at: dict[tuple[str, IndexMask, object], dict[tuple, list[str]]] = {}
     for op in graph.ops:
         reads: dict[str, str] = {}
         for piece in op.tensor_inputs:
@@ -230,12 +237,26 @@ def _data_edges(graph: Graph) -> dict[str, dict[str, str]]:
                 overlapping[key] = writers[piece.name].writers(piece.index) if piece.name in writers else []
             copies = exact.get((piece.name, piece.index, piece.value))
             if copies and op.segment is not None:  # a pipelined reader uses the copy its own segment writes, if any
-                copies = [name for name in copies if place[name] == (op.device, op.segment)] or copies
+                copies = _copies_by_place(copies_at, (piece.name, piece.index, piece.value), copies, place).get((op.device, op.segment)) or copies
             for producer in copies or overlapping[key]:
                 if producer != op.name:
                     reads.setdefault(producer, piece.name)
         edges[op.name] = reads
     return edges
+
+
+def _copies_by_place(
+    cache: dict[tuple[str, IndexMask, object], dict[tuple, list[str]]], key: tuple[str, IndexMask, object], copies: list[str],
+    place: dict[str, tuple],
+) -> dict[tuple, list[str]]:
+    """The writers ``copies`` of one exact piece by their (device, segment), grouped once per piece (``cache``): a piece
+    copied on every rank is read on every rank, and each reader looking through all copies would cost O(ranks²)."""
+    if key not in cache:
+        grouped: dict[tuple, list[str]] = defaultdict(list)
+        for name in copies:
+            grouped[place[name]].append(name)
+        cache[key] = grouped
+    return cache[key]
 
 
 class _BoxIndex:

@@ -28,10 +28,12 @@ from lightning_nnscaler.ir.validate import validate_plan
 from lightning_nnscaler.ir.op import PROLOGUE, Op
 from lightning_nnscaler.materialize.collectives import collective_path, group_of
 from lightning_nnscaler.materialize.early_sends import issue_sends_early
+from lightning_nnscaler.materialize.names import VariableNames
 from lightning_nnscaler.materialize.program import (
     Assemble, Collective, Compute, Fragment, GradientGroup, LocalTensor, Program, RankOutput, RankProgram, Recv, Segment, Send, box_of,
 )
 from lightning_nnscaler.materialize.search import AlphaBeta, CollectivesOnly, CostModel
+from lightning_nnscaler.materialize.written import Written, WrittenPieces
 
 PieceKey = tuple[Segment, str, IndexMask, object]
 
@@ -76,9 +78,9 @@ class _Builder:
         for op in graph.ops:
             self.pieces_of[op.source_name].append(op)
         self.programs = [RankProgram(rank) for rank in range(world_size)]
-        self.written: dict[str, list[tuple[VTensor, int, str, float]]] = defaultdict(list)
+        self.written: dict[str, WrittenPieces] = defaultdict(WrittenPieces)
         self.cache: list[dict[PieceKey, str]] = [{} for _ in range(world_size)]
-        self.used_names: list[set[str]] = [set() for _ in range(world_size)]
+        self.names = VariableNames(world_size)
         self.held: dict[tuple[int, str], list[tuple[str, IndexMask]]] = defaultdict(list)
         self.tags = itertools.count(1)
         self.segment_of: dict[tuple[int, str], Segment] = {}  # (rank, variable) -> segment defining it
@@ -92,16 +94,7 @@ class _Builder:
                 raise MaterializeError(f"a pipelined plan must give every op a segment; {_first(loose)} have none")
 
     def var(self, rank: int, base: str) -> str:
-        name = "".join(c if c.isalnum() or c == "_" else "_" for c in base)
-        if not name or name[0].isdigit():
-            name = "t_" + name
-        candidate = name
-        for index in itertools.count(1):
-            if candidate not in self.used_names[rank]:
-                break
-            candidate = f"{name}_{index}"
-        self.used_names[rank].add(candidate)
-        return candidate
+        return self.names.new(rank, base)
 
     def run(self) -> Program:
         self.hold_graph_inputs()
@@ -111,7 +104,7 @@ class _Builder:
             output_vars = tuple(self.var(rank, output.name) for output in op.outputs)
             self.programs[rank].actions.append(Compute(position, op, input_vars, output_vars))
             for output, var in zip(op.outputs, output_vars):
-                self.written[output.name].append((output, rank, var, position))
+                self.written[output.name].add(Written(output, rank, var, position))
                 self.segment_of[(rank, var)] = op.segment
                 self.cache[rank].setdefault((op.segment, output.name, output.index, output.value), var)
         self.collect_outputs()
@@ -198,12 +191,12 @@ class _Builder:
         return var
 
     def fetch(self, rank: int, piece: VTensor, position: int, reader: str, segment: Segment = None) -> str:
-        written = self.written.get(piece.name, [])
-        exact = [entry for entry in written if entry[0].index == piece.index and entry[0].value == piece.value]
+        written = self.written.get(piece.name, WrittenPieces())
+        exact = written.exactly(piece.index, piece.value)
         if not exact and piece.value.part > 0:
             return self.zeros(rank, piece, position, segment)
-        candidates = exact or written
-        distinct: dict[tuple, list[tuple[VTensor, int, str, float]]] = defaultdict(list)
+        candidates = exact or written.overlapping(piece.index)
+        distinct: dict[tuple, list[Written]] = defaultdict(list)
         for entry in candidates:
             if entry[0].index.intersect(piece.index) is not None:
                 distinct[(entry[0].index, entry[0].value)].append(entry)
@@ -227,7 +220,7 @@ class _Builder:
         self.segment_of[(rank, var)] = segment
         return var
 
-    def choose_holder(self, holders: list[tuple[VTensor, int, str, float]], rank: int, segment: Segment) -> tuple[VTensor, int, str, float]:
+    def choose_holder(self, holders: list[Written], rank: int, segment: Segment) -> Written:
         """A replica this segment can read directly if there is one, else one of the same segment
         (a tensor-parallel peer), else spread over the replicas deterministically."""
         if self.pipelined:
@@ -254,7 +247,7 @@ class _Builder:
             if targets.setdefault(sibling.device, wanted) != wanted:
                 return False  # several pieces on one device (co-shard): not one layout
         by_rank: dict[int, dict[VTensor, str]] = defaultdict(dict)
-        for written, rank, var, _ in self.written.get(piece.name, []):
+        for written, rank, var, _ in self.written.get(piece.name, WrittenPieces()).entries:
             if self.pipelined and self.segment_of[(rank, var)] != segment:
                 continue  # another segment's piece: other rows, or a copy this segment has too
             by_rank[rank].setdefault(written, var)
@@ -383,7 +376,7 @@ class _Builder:
     def collect_outputs(self) -> None:
         for name in [*self.graph.outputs, *self.graph.buffer_updates.values()]:
             seen: set[tuple] = set()
-            for piece, rank, var, _ in sorted(self.written[name], key=lambda entry: entry[1]):
+            for piece, rank, var, _ in sorted(self.written[name].entries, key=lambda entry: entry.rank):
                 key = (piece.index, piece.value)
                 self.programs[rank].outputs.append(RankOutput(name, var, piece, key not in seen, self.segment_of[(rank, var)]))
                 seen.add(key)
@@ -423,7 +416,7 @@ def _action_order(action: object) -> tuple[float, int, int]:
     return (action.position, kind, getattr(action, "tag", 0))
 
 
-def _choose_holder(holders: list[tuple[VTensor, int, str, float]], rank: int) -> tuple[VTensor, int, str, float]:
+def _choose_holder(holders: list[Written], rank: int) -> Written:
     """A local replica if there is one, else spread readers over the replicas deterministically."""
     for holder in holders:
         if holder[1] == rank:

@@ -13,19 +13,27 @@ from __future__ import annotations
 from lightning_nnscaler.materialize.program import Program, Recv, Send
 
 
-def receive_posts(program: Program) -> dict[tuple[int, int, int], float]:
+def receive_posts(program: Program, rank: int | None = None) -> dict[tuple[int, int, int], float]:
     """``(src, dst, tag) -> position`` at which ``dst`` posts its receive of that inline message: the send's
-    position, for each receive whose send comes earlier in the graph's order, in the same segment."""
+    position, for each receive whose send comes earlier in the graph's order, in the same segment.
+
+    With ``rank``, only that rank's receives (``dst == rank``), reading only the programs of the peers it
+    receives from: what one rank's code needs, without a pass over every rank's actions.
+    """
+    receivers = program.ranks if rank is None else [program.ranks[rank]]
+    receives = [
+        (rank_program.rank, action) for rank_program in receivers for action in rank_program.actions
+        if isinstance(action, Recv) and not action.boundary
+    ]
+    peers = {action.src for _, action in receives}
+    destinations = None if rank is None else {rank}
     sends = {
-        (rank_program.rank, action.dst, action.tag): action for rank_program in program.ranks for action in rank_program.actions
-        if isinstance(action, Send) and not action.boundary
+        (peer, action.dst, action.tag): action for peer in sorted(peers) for action in program.ranks[peer].actions
+        if isinstance(action, Send) and not action.boundary and (destinations is None or action.dst in destinations)
     }
     posts = {}
-    for rank_program in program.ranks:
-        for action in rank_program.actions:
-            if not isinstance(action, Recv) or action.boundary:
-                continue
-            send = sends.get((action.src, rank_program.rank, action.tag))
-            if send is not None and send.position < action.position and send.segment == action.segment:
-                posts[action.src, rank_program.rank, action.tag] = send.position
+    for dst, action in receives:
+        send = sends.get((action.src, dst, action.tag))
+        if send is not None and send.position < action.position and send.segment == action.segment:
+            posts[action.src, dst, action.tag] = send.position
     return posts

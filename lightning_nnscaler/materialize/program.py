@@ -202,6 +202,15 @@ class Program:
             groups.update(action.ranks for action in program.actions if isinstance(action, Collective))
         return sorted(groups)
 
+    @functools.cached_property
+    def value_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Whole shape of each graph output besides the loss and the buffers' new values (the logged values every
+        rank's code lists); computed once, as every rank's code asks for it."""
+        return {
+            output.name: output.piece.tensor.shape for program in self.ranks for output in program.outputs
+            if self.loss is not None and output.name != self.loss and output.name not in self.buffer_updates
+        }
+
 
 def box_of(mask: IndexMask) -> Box:
     """An index mask as a plain tuple of ranges."""

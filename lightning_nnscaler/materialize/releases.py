@@ -16,10 +16,10 @@ received, then the gradients of its inputs sent (a gradient message: ``gradient=
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Hashable, NamedTuple
 
-from lightning_nnscaler.materialize.program import Program, Recv, Send
+from lightning_nnscaler.materialize.program import Program, RankProgram, Recv, Send
 
 _ACTION = re.compile(r"(\d+)([FBW])(\d+)")
 
@@ -47,49 +47,66 @@ def send_releases(sequences: Sequence[Sequence[Posted]]) -> list[dict[Hashable, 
     ``sequences[r]`` is rank ``r``'s message operations in the order it posts them. A message that no later
     answer from its receiver follows is in no list.
     """
-    position = {(rank, post.kind, post.message): index for rank, posts in enumerate(sequences) for index, post in enumerate(posts)}
-    releases: list[dict[Hashable, list[Hashable]]] = [{} for _ in sequences]
-    for rank, posts in enumerate(sequences):
-        for post in posts:
-            if post.kind != "send":
-                continue
-            taken = position.get((post.peer, "recv", post.message))
-            if taken is None:
-                continue
-            answer = next((later.message for later in sequences[post.peer][taken + 1:] if later.kind == "send" and later.peer == rank), None)
-            if answer is not None:
-                releases[rank].setdefault(answer, []).append(post.message)
+    return [releases_of(rank, sequences) for rank in range(len(sequences))]
+
+
+def releases_of(rank: int, sequences: Mapping[int, Sequence[Posted]] | Sequence[Sequence[Posted]]) -> dict[Hashable, list[Hashable]]:
+    """Rank ``rank``'s part of ``send_releases``; ``sequences`` needs only ``rank`` and the peers it sends to."""
+    releases: dict[Hashable, list[Hashable]] = {}
+    received_at: dict[int, dict[Hashable, int]] = {}
+    for post in sequences[rank]:
+        if post.kind != "send":
+            continue
+        if post.peer not in received_at:
+            received_at[post.peer] = {later.message: index for index, later in enumerate(sequences[post.peer]) if later.kind == "recv"}
+        taken = received_at[post.peer].get(post.message)
+        if taken is None:
+            continue
+        answer = next((later.message for later in sequences[post.peer][taken + 1:] if later.kind == "send" and later.peer == rank), None)
+        if answer is not None:
+            releases.setdefault(answer, []).append(post.message)
     return releases
 
 
 def boundary_messages(program: Program, schedules: Sequence[Sequence[str]]) -> list[list[Posted]]:
     """Each rank's boundary messages (``Message`` keys) in the order ``runtime.pipeline`` posts them under ``schedules``
     (each rank's actions as ``"0F1"`` strings)."""
-    sequences = []
-    for rank_program, schedule in zip(program.ranks, schedules, strict=True):
-        rank = rank_program.rank
-        inputs: dict[object, list[Recv]] = {}
-        outputs: dict[object, list[Send]] = {}
-        for action in rank_program.actions:
-            if isinstance(action, Recv) and action.boundary and action.src != rank:
-                inputs.setdefault(action.segment, []).append(action)
-            elif isinstance(action, Send) and action.boundary and action.dst != rank:
-                outputs.setdefault(action.segment, []).append(action)
-        posts: list[Posted] = []
-        for text in schedule:
-            stage, kind, microbatch = _ACTION.fullmatch(text).groups()
-            segment = (int(stage), int(microbatch))
-            received, sent = inputs.get(segment, []), outputs.get(segment, [])
-            if kind == "F":
-                posts += [Posted("recv", message.src, Message(message.src, rank, message.tag, False)) for message in received]
-                posts += [Posted("send", message.dst, Message(rank, message.dst, message.tag, False)) for message in sent]
-            elif kind == "B":
-                posts += [Posted("recv", message.dst, Message(message.dst, rank, message.tag, True)) for message in sent if message.gradient]
-                posts += [Posted("send", message.src, Message(rank, message.src, message.tag, True)) for message in received if message.gradient]
-        sequences.append(posts)
-    return sequences
+    return [rank_boundary_messages(rank_program, schedule) for rank_program, schedule in zip(program.ranks, schedules, strict=True)]
+
+
+def rank_boundary_messages(rank_program: RankProgram, schedule: Sequence[str]) -> list[Posted]:
+    """One rank's part of ``boundary_messages``."""
+    rank = rank_program.rank
+    inputs: dict[object, list[Recv]] = {}
+    outputs: dict[object, list[Send]] = {}
+    for action in rank_program.actions:
+        if isinstance(action, Recv) and action.boundary and action.src != rank:
+            inputs.setdefault(action.segment, []).append(action)
+        elif isinstance(action, Send) and action.boundary and action.dst != rank:
+            outputs.setdefault(action.segment, []).append(action)
+    posts: list[Posted] = []
+    for text in schedule:
+        stage, kind, microbatch = _ACTION.fullmatch(text).groups()
+        segment = (int(stage), int(microbatch))
+        received, sent = inputs.get(segment, []), outputs.get(segment, [])
+        if kind == "F":
+            posts += [Posted("recv", message.src, Message(message.src, rank, message.tag, False)) for message in received]
+            posts += [Posted("send", message.dst, Message(rank, message.dst, message.tag, False)) for message in sent]
+        elif kind == "B":
+            posts += [Posted("recv", message.dst, Message(message.dst, rank, message.tag, True)) for message in sent if message.gradient]
+            posts += [Posted("send", message.src, Message(rank, message.src, message.tag, True)) for message in received if message.gradient]
+    return posts
 
 
 def pipeline_releases(program: Program, schedules: Sequence[Sequence[str]]) -> list[dict[Message, list[Message]]]:
     """Per rank of a pipelined ``program``: which of its sent boundary messages each received one releases."""
     return send_releases(boundary_messages(program, schedules))
+
+
+def rank_releases(program: Program, schedules: Sequence[Sequence[str]], rank: int) -> dict[Message, list[Message]]:
+    """Rank ``rank``'s part of ``pipeline_releases``, from its own messages and those of the peers it sends to."""
+    own = rank_boundary_messages(program.ranks[rank], schedules[rank])
+    sequences = {rank: own}
+    for peer in sorted({post.peer for post in own if post.kind == "send"} - {rank}):
+        sequences[peer] = rank_boundary_messages(program.ranks[peer], schedules[peer])
+    return releases_of(rank, sequences)

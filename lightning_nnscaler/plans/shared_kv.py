@@ -34,14 +34,16 @@ class SharedHeads:
 
 
 def shared_kv_heads(graph: Graph, ops: Sequence[str], parts: int) -> list[SharedHeads]:
-    """The key and value paths of each grouped-query attention among ``ops`` whose ``kv_heads`` ``parts`` cannot
-    cut but is a multiple of (``parts % kv_heads == 0``), and whose query heads ``parts`` divides."""
-    region = set(ops)
-    producers = {output.name: op for op in graph.ops if op.name in region for output in op.outputs}
+    """The key and value paths of each grouped-query attention among ``ops`` (names in graph order) whose ``kv_heads``
+    ``parts`` cannot cut but is a multiple of (``parts % kv_heads == 0``), and whose query heads ``parts`` divides.
+
+    Looks only at ``ops``, not the whole graph: a recipe asks once per segment of a large plan."""
+    region = [graph.op(name) for name in ops]
+    producers = {output.name: op for op in region for output in op.outputs}
     found: list[SharedHeads] = []
     taken: set[str] = set()  # a path read by several attentions is split once
-    for op in graph.ops:
-        if op.name not in region or op.target != ATTENTION or len(op.tensor_inputs) < 3:
+    for op in region:
+        if op.target != ATTENTION or len(op.tensor_inputs) < 3:
             continue
         heads = op.tensor_inputs[0].shape[1]
         for position in (1, 2):
@@ -50,7 +52,7 @@ def shared_kv_heads(graph: Graph, ops: Sequence[str], parts: int) -> list[Shared
                 continue
             kv_heads = path[-1].tensor_inputs[0].shape[1]  # the unsqueeze's input (B, kv, T, D)
             if kv_heads < parts and parts % kv_heads == 0 and heads % parts == 0 and heads % kv_heads == 0 and path[0].name not in taken:
-                members = tuple(item.name for item in _between(graph, path, producers) if item.name not in taken)
+                members = tuple(item.name for item in _between(region, path, producers) if item.name not in taken)
                 taken.update(members)
                 found.append(SharedHeads(members, kv_heads))
     return found
@@ -69,8 +71,9 @@ def _widening(name: str, producers: dict[str, Op]) -> list[Op] | None:
     return [reshape, expand, unsqueeze]
 
 
-def _between(graph: Graph, path: list[Op], producers: dict[str, Op]) -> list[Op]:
-    """The widening ops and every op upstream of it up to and including its projection (a linear), in graph order."""
+def _between(region: Sequence[Op], path: list[Op], producers: dict[str, Op]) -> list[Op]:
+    """The widening ops and every op upstream of it up to and including its projection (a linear), in the order of
+    ``region`` (the ops searched, in graph order; ``producers`` writes their outputs)."""
     from lightning_nnscaler.plans.megatron_tp import is_linear  # megatron_tp imports this module
 
     upstream: set[str] = set()
@@ -86,11 +89,11 @@ def _between(graph: Graph, path: list[Op], producers: dict[str, Op]) -> list[Op]
             continue
         stack.extend(producers[piece.name] for piece in op.tensor_inputs if piece.name in producers)
     downstream = set(projections)  # ops that read the projections, directly or through others
-    for op in graph.ops:
+    for op in region:
         if op.name in upstream and any(piece.name in producers and producers[piece.name].name in downstream for piece in op.tensor_inputs):
             downstream.add(op.name)
     members = (upstream & downstream) | {op.name for op in path}
-    return [op for op in graph.ops if op.name in members]
+    return [op for op in region if op.name in members]
 
 
 def split_shared_heads(graph: Graph, shared: Sequence[SharedHeads], parts: int, choose: Choose) -> Walk:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import Op
 
@@ -27,6 +25,6 @@ def op_assign(graph: Graph, op: Op | str, device: int, *, segment: tuple[int, in
         raise AssignError(f"op {op.name!r}: device must be a non-negative int (a rank), got {device!r}")
     if segment is not None and (not isinstance(segment, tuple) or len(segment) != 2 or not all(isinstance(part, int) for part in segment)):
         raise AssignError(f"op {op.name!r}: segment must be a (stage, microbatch) pair of ints, got {segment!r}")
-    placed = replace(op, device=device, segment=op.segment if segment is None else segment)
+    placed = op.placed(device, op.segment if segment is None else segment)
     graph.replace_op(op, [placed])
     return placed

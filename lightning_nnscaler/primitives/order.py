@@ -43,6 +43,7 @@ def op_orders(graph: Graph, edges: Iterable[tuple[Op | str, Op | str]]) -> None:
     graph.order_edges.extend(new_edges)
     try:
         graph.ops = stable_topological_order(graph)
+        graph.mark_dependency_order()
     except Exception:
         del graph.order_edges[kept:]
         raise

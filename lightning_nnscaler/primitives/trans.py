@@ -58,7 +58,7 @@ def _annotation_of(op: Op, dim: str) -> DimAnnotation:
             f"{dim!r}; use op_trans(graph, op, 'replicate', n), or register one with "
             f"lightning_nnscaler.register_annotation({op.target!r})"
         )
-    return DimAnnotation.parse(op.annotation)
+    return op.dims  # parsed once per annotation text: every piece of an op shares it
 
 
 def _split_value(op: Op, annotation: DimAnnotation, parts: int) -> list[Op]:

@@ -80,7 +80,7 @@ def plan_training_step(
                 warnings.simplefilter("ignore", GlobalMeanWarning)
             plan = parallelize(
                 module, whole_batch(batch, replicas), recipe, world_size, step=step, batch_idx=batch_idx, step_args=step_args,
-                allow_partial=allow_partial, progress=rank_zero_info, **params,
+                allow_partial=allow_partial, progress=rank_zero_info, rank=module.global_rank, **params,
             )
     except Exception as error:  # noqa: BLE001 - every planning failure gets the recipe and the fix
         hint = (

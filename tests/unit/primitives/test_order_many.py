@@ -11,8 +11,8 @@ import pytest
 from lightning_nnscaler.ir.graph import Graph, GraphError
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.tensor import IndexMask, PTensor, VTensor
-from lightning_nnscaler.ir.validate import DeadlockError, data_dependencies
-from lightning_nnscaler.primitives import op_order, op_orders
+from lightning_nnscaler.ir.validate import DeadlockError, data_dependencies, validate_plan
+from lightning_nnscaler.primitives import op_assign, op_order, op_orders
 from lightning_nnscaler.primitives import order as order_module
 
 
@@ -163,3 +163,19 @@ def test_data_dependencies_of_a_tensor_cut_in_many_pieces() -> None:
     large = split_tensor_graph(1024, shift=2)
     small_steps, large_steps = python_steps(lambda: data_dependencies(small)), python_steps(lambda: data_dependencies(large))
     assert large_steps / small_steps < 8 * 1.5  # every reader against every writer would be 64x
+
+
+def test_a_graph_op_orders_sorted_validates_without_a_cycle_search_until_an_edit() -> None:
+    graph = pipeline_graph(stages=2, ops_per_stage=2, microbatches=2)
+    op_orders(graph, schedule_edges(2, 2, 2))
+    assert graph.in_dependency_order
+    validate_plan(graph, 2)
+    graph.order_edges.append(("relu_3.1", "relu_0.0"))  # against the data flow: only a cycle search finds it
+    assert not graph.in_dependency_order
+    with pytest.raises(DeadlockError):
+        validate_plan(graph, 2)
+    graph.order_edges.pop()
+    assert graph.in_dependency_order
+    op_assign(graph, "relu_0.0", 1)
+    assert not graph.in_dependency_order
+    validate_plan(graph, 2)

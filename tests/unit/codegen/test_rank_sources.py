@@ -1,0 +1,64 @@
+"""``codegen.sources``: a rank plans and generates only its own module; the others' are generated when read, as before."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import torch
+
+import lightning_nnscaler as lnn
+from lightning_nnscaler.materialize.posts import receive_posts
+from lightning_nnscaler.materialize.releases import pipeline_releases, rank_releases
+from lightning_nnscaler.models.gpt import GPT, GPTConfig
+
+
+def gpt_plan(recipe: str, world_size: int, rank: int | None = None, **params: int) -> lnn.Plan:
+    """A two-layer GPT's training step planned with ``recipe`` for ``rank`` (None: every rank)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=8, hidden=16, layers=2, heads=2))
+    model.log = lambda *args, **kwargs: None
+    batch = model.example_batch(4, torch.Generator().manual_seed(0))
+    return lnn.parallelize(model, batch, recipe, world_size, step="training_step", rank=rank, **params)
+
+
+def dp_tp_pp_plan(rank: int | None) -> lnn.Plan:
+    """dp 2 × tp 2 × pp 2 (hybrid3d, 2 microbatches)."""
+    return gpt_plan("hybrid3d", 8, rank, dp=2, tp=2, pp=2)
+
+
+def test_a_rank_generates_its_own_module_only_and_every_module_equals_the_eager_plans() -> None:
+    eager, local = dp_tp_pp_plan(None), dp_tp_pp_plan(5)
+    assert local.sources.generated() == [5] and eager.sources.generated() == list(range(8))
+    assert local.plan_hash == eager.plan_hash
+    assert local.sources[5] == eager.sources[5]
+    assert list(local.sources) == list(eager.sources) and local.sources.generated() == list(range(8))
+    assert local.sources[-1] == eager.sources[7] and local.sources[1:3] == [eager.sources[1], eager.sources[2]]
+
+
+def test_a_plan_made_for_one_rank_verifies_and_explains_every_rank() -> None:
+    plan = dp_tp_pp_plan(3)
+    report = plan.verify()  # runs every rank's module, generated now
+    assert report.world_size == 8 and report.parameters_checked > 0 and plan.sources.generated() == list(range(8))
+    assert len(plan.memory_rows()) == 8 and "on 8 ranks" in plan.explain()
+
+
+def test_the_lazy_sources_pickle_and_save_as_the_list_they_stand_for(tmp_path: Path) -> None:
+    plan = dp_tp_pp_plan(0)
+    assert pickle.loads(pickle.dumps(plan.sources)) == list(plan.sources)
+    folder = plan.save_code(tmp_path)
+    assert [(folder / f"rank{rank}.py").read_text() for rank in range(8)] == list(plan.sources)
+
+
+def test_one_ranks_posts_and_releases_are_its_part_of_every_ranks() -> None:
+    inline = gpt_plan("hybrid", 4, dp=2, tp=2).program  # posts: inline messages; releases: a pipeline's boundary messages
+    every_post = receive_posts(inline)
+    assert every_post
+    for rank in range(4):
+        assert receive_posts(inline, rank) == {key: value for key, value in every_post.items() if key[1] == rank}
+    plan = dp_tp_pp_plan(None)
+    schedules = [[str(action) for action in plan.pipeline.actions(rank)] for rank in range(8)]
+    every_release = pipeline_releases(plan.program, schedules)
+    assert any(every_release)
+    for rank in range(8):
+        assert rank_releases(plan.program, schedules, rank) == every_release[rank]
