@@ -167,7 +167,8 @@ class GradientReducer:
         if zero_stage:
             for box, ranks in replicated:
                 self.owned.append(self._own(box, ranks, rank))
-            self._zero_buckets = _zero_buckets(self.owned, BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
+            # In backward's order (reverse registration), so buckets fill and are reduce-scattered while backward runs.
+            self._zero_buckets = _zero_buckets(self.owned[::-1], BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
             if zero_stage == 3:
                 self.release_boxes()
         self._queues: dict[tuple[int, ...], _GroupQueue] = {}
@@ -177,8 +178,14 @@ class GradientReducer:
         self._reducing = True  # this backward sums (False: DDP's no_sync)
         self._hooks: list[RemovableHandle] = []
         self.on_bucket_reduced: Callable[[list[torch.nn.Parameter]], None] | None = None
+        self._zero_next = 0  # ZeRO: the next bucket to reduce-scatter this backward (they go in one order on every rank)
+        self._zero_arrived: set[int] = set()  # ZeRO: ids of the boxes whose gradient this backward has accumulated
         if not zero_stage:
             self._assign_buckets(BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
+        else:
+            for owned in self.owned:
+                if owned.box.requires_grad:
+                    self._hooks.append(owned.box.register_post_accumulate_grad_hook(self._on_zero_gradient))
 
     def _assign_buckets(self, bucket_bytes: int) -> None:
         """Fix the buckets: per ranks tuple, boxes in reverse registration order, ~``bucket_bytes`` each,
@@ -223,6 +230,28 @@ class GradientReducer:
         _move_into_bucket(parameter, bucket)
         bucket.arrived.add(id(parameter))
         self._start_ready(self._queues[bucket.ranks])
+
+    def _on_zero_gradient(self, box: torch.Tensor) -> None:
+        """Post-accumulate-grad hook (ZeRO): reduce-scatter every bucket whose boxes all have their gradient, in
+        order, freeing their whole-size gradients while backward goes on."""
+        self._zero_arrived.add(id(box))
+        while self._zero_next < len(self._zero_buckets):
+            bucket = self._zero_buckets[self._zero_next]
+            if any(id(owned.box) not in self._zero_arrived for owned in bucket.owned):
+                return
+            self._reduce_scatter(bucket)
+            self._zero_next += 1
+
+    def _reduce_scatter(self, bucket: _ZeroBucket) -> None:
+        """Sum the bucket's box gradients onto the owned chunks (added to what they hold) and free the box gradients."""
+        flats = []
+        for owned in bucket.owned:
+            grad = owned.box.grad if owned.box.grad is not None else torch.zeros(owned.shape, dtype=owned.box.dtype, device=owned.box.device)
+            flats.append(torch.nn.functional.pad(grad.reshape(-1), (0, owned.chunk.numel() * len(owned.ranks) - owned.numel)))
+            owned.box.grad = None
+        row = self.communicator.reduce_scatter(bucket.rows(flats), 0, bucket.ranks).reshape(-1)
+        for owned, reduced in zip(bucket.owned, row.split(bucket.widths), strict=True):
+            owned.chunk.grad = reduced if owned.chunk.grad is None else owned.chunk.grad.add_(reduced)
 
     def _start_ready(self, queue: _GroupQueue) -> None:
         while queue.started < len(queue.buckets):
@@ -279,15 +308,12 @@ class GradientReducer:
             if reducing:
                 self._finish_buckets()
             return
-        for bucket in self._zero_buckets:
-            flats = []
-            for owned in bucket.owned:
-                grad = owned.box.grad if owned.box.grad is not None else torch.zeros(owned.shape, dtype=owned.box.dtype, device=owned.box.device)
-                flats.append(torch.nn.functional.pad(grad.reshape(-1), (0, owned.chunk.numel() * len(owned.ranks) - owned.numel)))
-                owned.box.grad = None
-            row = self.communicator.reduce_scatter(bucket.rows(flats), 0, bucket.ranks).reshape(-1)
-            for owned, reduced in zip(bucket.owned, row.split(bucket.widths), strict=True):
-                owned.chunk.grad = reduced if owned.chunk.grad is None else owned.chunk.grad.add_(reduced)
+        try:
+            for bucket in self._zero_buckets[self._zero_next :]:  # those backward did not complete
+                self._reduce_scatter(bucket)
+        finally:
+            self._zero_next = 0
+            self._zero_arrived.clear()
 
     def after_optimizer_step(self) -> None:
         """ZeRO-1: gather the updated chunks into the boxes; ZeRO-3: keep only the chunks."""

@@ -22,8 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from lightning_runs import StepRecorder, replica_batch_size  # noqa: E402
 from lightning_nnscaler.models.gpt import GPT, GPTConfig  # noqa: E402
 
-CONFIG = GPTConfig(vocab_size=8192, seq_len=64, hidden=512, layers=6, heads=8)
-"""23M parameters: 0.37 GB of fp32 AdamW state (parameters, gradients, two moments)."""
+CONFIG = GPTConfig(vocab_size=8192, seq_len=64, hidden=768, layers=6, heads=12)
+"""55M parameters: 0.88 GB of fp32 AdamW state (parameters, gradients, two moments)."""
 GLOBAL_BATCH, STEPS = 4, 3
 
 

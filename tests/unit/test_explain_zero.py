@@ -79,15 +79,15 @@ def measure(plan: lnn.Plan) -> list[dict[str, int]]:
         boxes = [shard.tensor for shard in executor.shards.values() if isinstance(shard.tensor, torch.nn.Parameter)]
         chunks = [owned.chunk for owned in reducer.owned]
         in_step: dict[str, int] = {}
-        reduce = reducer.after_backward
+        reduce_scatter = reducer._reduce_scatter
 
-        def after_backward() -> None:  # the full-size tensors ZeRO holds only while the step runs
+        def counted_reduce_scatter(bucket: Any) -> None:  # the full-size tensors ZeRO holds only while the step runs
             owned = [owned.box for owned in reducer.owned]
             gathered = _bytes(owned) if reducer.zero_stage == 3 else 0  # zero1 holds its boxes across steps
-            in_step["transient"] = gathered + _bytes(box.grad for box in owned)
-            reduce()
+            in_step["transient"] = max(in_step.get("transient", 0), gathered + _bytes(box.grad for box in owned))
+            reduce_scatter(bucket)
 
-        reducer.after_backward = after_backward  # type: ignore[method-assign]
+        reducer._reduce_scatter = counted_reduce_scatter  # type: ignore[method-assign]
         optimizer = torch.optim.Adam(executor.parameters())
         executor.forward_backward(plan.replica_inputs(rank, inputs))
         optimizer.step()
