@@ -38,6 +38,7 @@ from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.rules.batch_norm import SYNC_MOMENTS
 from lightning_nnscaler.ir.op import PROLOGUE, Op
 from lightning_nnscaler.ir.tensor import dtype_bytes
+from lightning_nnscaler.ir.work import op_work
 from lightning_nnscaler.plans.context import PlanContext, PipelinePlan
 from lightning_nnscaler.plans.dp import split_batch
 from lightning_nnscaler.plans.layout import DeviceGrid, RecipeLayout
@@ -52,8 +53,6 @@ from lightning_nnscaler.schedules.v_shape import v_half, zbv
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1", "3f1b", "interlaced", "zbv", "vhalf")
 V_SCHEDULES = {"zbv": zbv, "vhalf": v_half}  # 2 stages per rank, rank r holds r and 2p - 1 - r (schedules.v_shape)
-_MATMULS = {"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default", "aten.addmm.default"}
-_ATTENTION = {"aten.scaled_dot_product_attention.default", "aten._scaled_dot_product_flash_attention_for_cpu.default"}
 
 
 PROLOGUE_STAGE = PROLOGUE[0]
@@ -730,15 +729,12 @@ def _gradient_flows(graph: Graph, ops: list[Op], producer: dict[str, Op]) -> dic
 
 
 def op_cost(op: Op) -> float:
-    """Estimated work of ``op``: FLOPs of matmuls and attention, elements read and written otherwise."""
-    out = sum(math.prod(output.shape) for output in op.outputs)
-    inputs = op.tensor_inputs
-    if op.target in _MATMULS and inputs:
-        return 2.0 * out * (inputs[0].shape[-1] if inputs[0].shape else 1)
-    if op.target in _ATTENTION and len(inputs) >= 3:
-        query, key = inputs[0].shape, inputs[1].shape
-        return 4.0 * math.prod(query) * (key[-2] if len(key) >= 2 else 1)
-    return float(out + sum(math.prod(piece.shape) for piece in inputs))
+    """Estimated work of ``op``: the FLOPs of matmuls, attention and convolutions (``ir.work.op_work``, the
+    simulator's rule), elements read and written otherwise."""
+    work = op_work(op)
+    if work.matmul:
+        return work.flops
+    return float(sum(math.prod(piece.shape) for piece in (*op.outputs, *op.tensor_inputs)))
 
 
 def _balanced_cuts(ops: Sequence[Op], stages: int) -> list[int]:

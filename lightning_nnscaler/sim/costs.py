@@ -1,10 +1,7 @@
 """What ops and messages cost: work per op (FLOPs, bytes), roofline time on a ``HardwareSpec``, α–β communication.
 
-Work of an op (forward): matmul-like ops ``2·(output elements)·K`` FLOPs with ``K`` the contracted
-size (Kaplan et al. 2020, §2.1: 2 FLOPs per multiply-add); attention ``4·B·H·L·S·E`` (QKᵀ and AV);
-convolution ``2·(output elements)·(C_in/groups·k_h·k_w)``; anything else one FLOP per output
-element. Bytes are what the op reads and writes; view-like ops move nothing. This refines the
-estimate the pipeline stages are balanced with (``plans.pipeline.op_cost``).
+Work of an op (forward): ``ir.work.op_work``, the rule the pipeline stages are balanced with too
+(``plans.pipeline.op_cost``).
 
 Roofline (Williams et al. 2009): ``overhead + max(FLOPs / (peak[dtype]·matmul_efficiency),
 bytes / (bandwidth·memory_efficiency))``. Backward costs twice the forward's work (input and
@@ -21,37 +18,14 @@ from the spec's ``collectives`` table when it has one for the kind and group siz
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Protocol
 
 from lightning_nnscaler.explain import ring_bytes as explain_ring_bytes
 from lightning_nnscaler.ir.op import Op
-from lightning_nnscaler.ir.tensor import FLOATING, dtype_bytes
+from lightning_nnscaler.ir.work import ADD_MATMULS, ATTENTION, CONVOLUTIONS, MATMULS, VIEWS, OpWork, op_work  # noqa: F401 - the shared rule
+from lightning_nnscaler.ir.tensor import FLOATING  # noqa: F401 - the simulator's modules read it here
 from lightning_nnscaler.sim.specs import HardwareSpec, Link, measured_for
-
-MATMULS = frozenset({"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default"})
-ADD_MATMULS = frozenset({"aten.addmm.default", "aten.baddbmm.default"})  # (bias, a, b): K from a
-ATTENTION = frozenset({"aten.scaled_dot_product_attention.default", "aten._scaled_dot_product_flash_attention_for_cpu.default"})
-CONVOLUTIONS = frozenset({"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", "aten.convolution.default"})
-VIEWS = frozenset({
-    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.transpose.int", "aten.t.default",
-    "aten.permute.default", "aten.expand.default", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.default",
-    "aten.slice.Tensor", "aten.select.int", "aten.alias.default", "aten.detach.default", "aten.unflatten.int",
-    "aten.flatten.using_ints", "aten.split.Tensor", "aten.chunk.default", "aten.unbind.int", "aten.split_with_sizes.default",
-})
-
-
-@dataclass(frozen=True)
-class OpWork:
-    """Forward work of one op: FLOPs, bytes read and written, the dtype its FLOPs run in, and whether it is a matmul."""
-
-    flops: float
-    nbytes: float
-    dtype: str
-    matmul: bool
-    has_backward: bool
-
 
 @dataclass(frozen=True)
 class OpTime:
@@ -66,28 +40,6 @@ class ComputeModel(Protocol):
 
     def op_time(self, op: Op) -> OpTime:
         """Forward and backward seconds of ``op``."""
-
-
-def op_work(op: Op) -> OpWork:
-    """The forward FLOPs and bytes of ``op`` from its pieces' shapes (see the module docstring)."""
-    inputs = op.tensor_inputs
-    outputs = op.outputs
-    out_elements = sum(math.prod(output.shape) for output in outputs)
-    dtype = outputs[0].tensor.dtype if outputs else (inputs[0].tensor.dtype if inputs else "float32")
-    has_backward = not op.no_grad and any(piece.tensor.dtype in FLOATING for piece in inputs) and dtype in FLOATING
-    if op.target in VIEWS:
-        return OpWork(0.0, 0.0, dtype, False, has_backward)
-    nbytes = float(sum(math.prod(piece.shape) * dtype_bytes(piece.tensor.dtype) for piece in (*inputs, *outputs)))
-    flops, matmul = float(out_elements), False
-    if op.target in MATMULS and inputs and inputs[0].shape:
-        flops, matmul = 2.0 * out_elements * inputs[0].shape[-1], True
-    elif op.target in ADD_MATMULS and len(inputs) >= 2 and inputs[1].shape:
-        flops, matmul = 2.0 * out_elements * inputs[1].shape[-1], True
-    elif op.target in ATTENTION and len(inputs) >= 3 and len(inputs[1].shape) >= 2:
-        flops, matmul = 4.0 * math.prod(inputs[0].shape) * inputs[1].shape[-2], True
-    elif op.target in CONVOLUTIONS and len(inputs) >= 2 and len(inputs[1].shape) >= 2:
-        flops, matmul = 2.0 * out_elements * math.prod(inputs[1].shape[1:]), True
-    return OpWork(flops, nbytes, dtype, matmul, has_backward)
 
 
 def roofline_seconds(spec: HardwareSpec, flops: float, nbytes: float, dtype: str = "float32", matmul: bool = True) -> float:
