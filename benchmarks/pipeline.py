@@ -49,6 +49,15 @@ Run: python benchmarks/pipeline.py                    (all three tables; about 8
      python benchmarks/pipeline.py --only recycling   (the 3F1B table alone)
      python benchmarks/pipeline.py --only vocabulary  (the interlaced table alone)
      python benchmarks/pipeline.py --quick            (smaller models and fewer steps)
+     python benchmarks/pipeline.py --only gpt --schedules 1f1b,zb1 [--ranks 2]
+                                                      (some schedules of the GPT table; p ranks)
+     python benchmarks/pipeline.py --only split       (one rank: F+B against F+I+W, ours, torch's, the old re-walk)
+
+The GPT table's "compute ms/step by rank" is each rank's time inside its actions less its waits; with
+both 1f1b and zb1 run, a line compares them (F+I+W against F+B per rank, and the step). With more
+ranks than cores the ranks' compute slows whenever more of them run at once, which a smaller bubble
+causes: zb1's rank 0 runs exactly 1F1B's work (it has no I) and still reads slower there. ``--only
+split`` measures the split's own cost without peers or contention.
 """
 
 from __future__ import annotations
@@ -111,6 +120,8 @@ class Settings(Measurement):
     vocab: int = 512
     batch: int = 16
     rounds: int = 3
+    schedules: tuple[str, ...] = tuple(SCHEDULES)
+    """The schedules of ``SCHEDULES`` to run (``--schedules``)."""
 
     def gpt_config(self) -> GPTConfig:
         """The GPT's shape."""
@@ -219,7 +230,8 @@ def make_plans(settings: Settings) -> list[PlanPayload]:
     model = build_model(settings)
     batch = example_batch(model, settings)
     payloads = []
-    for name, extra in SCHEDULES.items():
+    for name in settings.schedules:
+        extra = SCHEDULES[name]
         plan = lnn.parallelize(
             model, batch, name, settings.stages, step="training_step", stages=settings.stages,
             microbatches=settings.microbatches, **extra,
@@ -539,7 +551,7 @@ def rank_main(rank: int, world_size: int, settings: Settings, payloads: list[Pla
     """Every schedule on this rank, ours then torch's, in ``settings.rounds`` rounds (a machine whose
     speed drifts over minutes slows both sides of a round alike); per schedule name, a list of rounds each."""
     torch.set_num_threads(1)  # the ranks share the cores: more intra-op threads only contend
-    results: dict[str, Any] = {name: {"ours": [], "torch": []} for name in SCHEDULES}
+    results: dict[str, Any] = {name: {"ours": [], "torch": []} for name in settings.schedules}
     broken: list[str] = []
     for _ in range(settings.rounds):
         for payload in payloads:
@@ -586,6 +598,11 @@ def replayed_bubble(ours: list[dict[str, Any]], schedule: Schedule) -> float:
     return 1.0 - sum(seconds.values()) / (schedule.world_size * timeline.makespan)
 
 
+def compute_by_rank(ours_rounds: list[list[dict[str, Any]]]) -> list[float]:
+    """Per rank, the median over rounds and timed steps of its compute (time inside its actions less its waits), in s."""
+    return [statistics.median(value for ours in ours_rounds for value in ours[rank]["computes"]) for rank in range(len(ours_rounds[0]))]
+
+
 def mean(values: list[float]) -> float:
     """Arithmetic mean."""
     return sum(values) / len(values)
@@ -605,10 +622,10 @@ def root_error(errors: list[str | None]) -> str | None:
 
 def table(per_rank: list[dict[str, Any]], settings: Settings) -> str:
     """The summary table, one row per schedule."""
-    header = ["schedule", "ours ms/step", "torch ms/step", "ratio [min, max]", "bubble (step)", "bubble (schedule)", "bubble (replayed)", "theory bubble",
+    header = ["schedule", "ours ms/step", "torch ms/step", "ratio [min, max]", "compute ms/step by rank", "bubble (step)", "bubble (schedule)", "bubble (replayed)", "theory bubble",
               *(f"act stage{rank}" for rank in range(settings.stages))]
     rows = []
-    for name in SCHEDULES:
+    for name in settings.schedules:
         rounds = range(settings.rounds)
         ours_rounds = [[results[name]["ours"][index] for results in per_rank] for index in rounds]
         ours_ms = [step_ms([result["times"] for result in ours]) for ours in ours_rounds]
@@ -622,7 +639,8 @@ def table(per_rank: list[dict[str, Any]], settings: Settings) -> str:
         ]
         rows.append([
             name, f"{statistics.median(ours_ms):.1f}", "n/a" if torch_ms is None else f"{statistics.median(torch_ms):.1f}",
-            "n/a" if ratios is None else f"{statistics.median(ratios):.2f} [{ratios[0]:.2f}, {ratios[-1]:.2f}]", f"{bubble:.3f}",
+            "n/a" if ratios is None else f"{statistics.median(ratios):.2f} [{ratios[0]:.2f}, {ratios[-1]:.2f}]",
+            "/".join(f"{1e3 * value:.0f}" for value in compute_by_rank(ours_rounds)), f"{bubble:.3f}",
             f"{mean([schedule_bubble(ours) for ours in ours_rounds]):.3f}",
             f"{mean([replayed_bubble(ours, compute_schedule(name, settings)) for ours in ours_rounds]):.3f}", f"{theory_bubble(name, settings):.3f}", *memory,
         ])
@@ -801,24 +819,107 @@ def run_vocabulary(quick: bool, steps: int | None) -> None:
     print(f"wall time {time.perf_counter() - started:.0f} s")
 
 
+def zb1_against_1f1b(per_rank: list[dict[str, Any]], settings: Settings) -> str:
+    """Same run, ZB-H1 against 1F1B: per rank, compute (F+I+W against F+B) and the step time."""
+    def of(name: str) -> tuple[list[float], float]:
+        ours_rounds = [[results[name]["ours"][index] for results in per_rank] for index in range(settings.rounds)]
+        return compute_by_rank(ours_rounds), statistics.median(step_ms([result["times"] for result in ours]) for ours in ours_rounds)
+
+    (zb1_compute, zb1_step), (base_compute, base_step) = of("zb1"), of("1f1b")
+    ratios = ", ".join(f"rank {rank} {ours / theirs:.3f}" for rank, (ours, theirs) in enumerate(zip(zb1_compute, base_compute)))
+    return f"zb1 / 1f1b, same run: compute per rank (F+I+W / F+B) {ratios}; ms/step {zb1_step:.1f} / {base_step:.1f} = {zb1_step / base_step:.3f}"
+
+
+def run_split(quick: bool) -> None:
+    """One rank, no peers: a middle stage's m microbatches as 1F1B runs them (F, B each) and as ZB-H1
+    does (F, I each, every W trailing its I by ``delay`` microbatches: rank r of ZB-H1 delays by r,
+    the rest at the end), with W as ``runtime.split_backward`` runs it, as torch.distributed.pipelining
+    splits it (``stage_backward_input`` / ``stage_backward_weight``), and as it ran before issue 38
+    (the root differentiated again with ``inputs=`` the parameters). Median of the rounds, in ms."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from lightning_nnscaler.runtime.split_backward import input_gradients
+
+    settings = Settings(hidden=64, vocab=128, seq_len=32, rounds=3) if quick else Settings(rounds=9)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    stage = nn.Sequential(*build_model(settings).blocks[: settings.layers // settings.stages])
+    parameters = list(stage.parameters())
+    rows = settings.batch // settings.microbatches
+    inputs = [torch.randn(rows, settings.seq_len, settings.hidden) for _ in range(settings.microbatches)]
+    output_gradient = torch.randn(rows, settings.seq_len, settings.hidden)
+
+    def ours(leaf: torch.Tensor, output: torch.Tensor) -> Any:
+        return input_gradients((output * output_gradient).sum(), [leaf], parameters)[1].accumulate
+
+    def torch_split(leaf: torch.Tensor, output: torch.Tensor) -> Any:
+        _, groups = stage_backward_input([output], [output_gradient], [leaf], iter(parameters))
+        return lambda: stage_backward_weight(iter(parameters), groups)
+
+    def rewalk(leaf: torch.Tensor, output: torch.Tensor) -> Any:
+        root = (output * output_gradient).sum()
+        torch.autograd.grad(root, [leaf], retain_graph=True)
+        return lambda: root.backward(inputs=parameters)
+
+    def run(split: Any, delay: int) -> None:
+        deferred = []
+        for tensor in inputs:
+            leaf = tensor.clone().requires_grad_()
+            output = stage(leaf)
+            if split is None:
+                (output * output_gradient).sum().backward()
+                continue
+            deferred.append(split(leaf, output))
+            if len(deferred) > delay:
+                deferred.pop(0)()
+        for weights in deferred:
+            weights()
+
+    delays = sorted({0, 1, settings.stages - 1})
+    variants = {"F+B (1f1b)": (None, 0)}
+    for delay in delays:
+        variants |= {f"F+I+W ours, W delay {delay}": (ours, delay), f"F+I+W torch, W delay {delay}": (torch_split, delay)}
+    variants["F+I+W re-walk (before), delay 0"] = (rewalk, 0)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(settings.rounds + 1):  # the first round warms up
+        for name, (split, delay) in variants.items():
+            stage.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            run(split, delay)
+            times[name].append(time.perf_counter() - start)
+    base = statistics.median(times["F+B (1f1b)"][1:])
+    print(f"one rank, {len(stage)} GPT blocks (hidden {settings.hidden}, seq {settings.seq_len}), {settings.microbatches} microbatches "
+          f"of {rows} rows, 1 thread, median of {settings.rounds} rounds:")
+    for name, values in times.items():
+        print(f"  {name:34s} {1e3 * statistics.median(values[1:]):7.1f} ms  ({statistics.median(values[1:]) / base:.3f} x F+B)")
+
+
 def main() -> None:
     """Run the GPT table (every schedule vs torch) and the recycling table (3F1B vs its baseline), or one of them."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer steps (a smoke test)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per schedule")
-    parser.add_argument("--only", choices=("gpt", "recycling", "vocabulary"), default=None, help="run one table (default: all three)")
+    parser.add_argument("--only", choices=("gpt", "recycling", "vocabulary", "split"), default=None, help="run one table (default: all three)")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="GPT table: comma-separated schedules (default: all)")
+    parser.add_argument("--ranks", type=int, default=None, help="GPT table: pipeline ranks p (default 4; 2 gives each rank a core of 2)")
     arguments = parser.parse_args()
+    if arguments.only == "split":
+        run_split(arguments.quick)
     if arguments.only in (None, "gpt"):
-        run_gpt(arguments.quick, arguments.steps)
+        run_gpt(arguments.quick, arguments.steps, tuple(arguments.schedules.split(",")), arguments.ranks)
     if arguments.only in (None, "recycling"):
         run_recycling(arguments.quick, arguments.steps)
     if arguments.only in (None, "vocabulary"):
         run_vocabulary(arguments.quick, arguments.steps)
 
 
-def run_gpt(quick: bool, steps: int | None) -> None:
-    """Plan, run every schedule on 4 gloo ranks, print the table and the 1F1B timelines."""
+def run_gpt(quick: bool, steps: int | None, schedules: tuple[str, ...] = tuple(SCHEDULES), ranks: int | None = None) -> None:
+    """Plan, run the schedules on 4 gloo ranks, print the table and the 1F1B timelines."""
+    unknown = set(schedules) - set(SCHEDULES)
+    if unknown:
+        raise SystemExit(f"unknown schedules {sorted(unknown)}; choose from {list(SCHEDULES)}")
     settings = Settings(hidden=64, vocab=128, seq_len=32, steps=2, warmup=1, rounds=1) if quick else Settings()
+    settings = dataclasses.replace(settings, schedules=schedules, stages=ranks or settings.stages)
     if steps:
         settings = dataclasses.replace(settings, steps=steps)
     started = time.perf_counter()
@@ -839,9 +940,12 @@ def run_gpt(quick: bool, steps: int | None) -> None:
     print("act stageN: peak saved-for-backward bytes / one microbatch of that rank's stage(s) (schedule's expected in-flight count)")
     print("of the step, outside the action list (prologue, loss sum, barriers; counted as bubble), ms: " + ", ".join(
         f"{name} {1e3 * mean([value for results in per_rank for ours in results[name]['ours'] for value in ours['outside']]):.1f}"
-        for name in SCHEDULES
+        for name in settings.schedules
     ))
-    print(timeline([results["1f1b"]["ours"][-1] for results in per_rank], "1f1b"))
+    if {"1f1b", "zb1"} <= set(settings.schedules):
+        print(zb1_against_1f1b(per_rank, settings))
+    if "1f1b" in settings.schedules:
+        print(timeline([results["1f1b"]["ours"][-1] for results in per_rank], "1f1b"))
     print(f"wall time {time.perf_counter() - started:.0f} s")
 
 

@@ -18,8 +18,10 @@ messages of each; a plan that is not pipelined has one segment, run ``["0F0", "0
   input's gradient back to its producer (zeros when it got none). Whether a message's gradient
   travels back is fixed in the generated tables (floating, and not from a no-grad segment), so both
   ends agree;
-- with ``W`` actions (zero-bubble), ``B`` computes the input gradients only (keeping the graph) and
-  ``W(s, m)`` then accumulates the weight gradients.
+- with ``W`` actions (zero-bubble), ``B`` is the input half of the backward alone (``I``) and
+  ``W(s, m)`` its weight half (``runtime.split_backward``): I keeps the gradients at the nodes where
+  the weight paths leave the input path, and W starts from them, never from the root again, so that
+  I and W together run each backward op once.
 
 Replicated gradients: the reducer accumulates locally over the step's backward actions and sums once,
 its buckets starting during the rank's last backward action (``GradientReducer`` as with one segment).
@@ -38,6 +40,7 @@ import torch
 from lightning_nnscaler.ir.op import PROLOGUE
 from lightning_nnscaler.runtime.autograd_comm import BACKWARD_TAG_OFFSET
 from lightning_nnscaler.runtime.comm import Communicator
+from lightning_nnscaler.runtime.split_backward import WeightPass, input_gradients
 
 _ACTION = re.compile(r"(\d+)([FBW])(\d+)")
 
@@ -50,7 +53,6 @@ class _Stash:
     sent: dict[int, torch.Tensor]
     seeds: list[torch.Tensor]
     token: torch.Tensor
-    root: torch.Tensor | None = None  # zero-bubble: B's differentiated root, kept for W
 
 
 @dataclass
@@ -73,6 +75,8 @@ class PipelineRun:
     parameters: list[torch.Tensor]
     device: torch.device
     stash: dict[tuple[int, int], _Stash] = field(default_factory=dict)
+    deferred: dict[tuple[int, int], WeightPass] = field(default_factory=dict)
+    """Zero-bubble: what each segment's input-only B left for its W."""
     local_activations: dict[int, torch.Tensor] = field(default_factory=dict)
     local_gradients: dict[int, torch.Tensor] = field(default_factory=dict)
     shared: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -181,7 +185,7 @@ class PipelineRun:
         segment = (stage, microbatch)
         if segment not in self.stash:
             return  # no ops on this rank
-        entry = self.stash[segment] if input_gradients_only else self.stash.pop(segment)
+        entry = self.stash.pop(segment)
         roots, gradients = [], []
         for tag, dst, gradient in self.module.BOUNDARY_OUT.get(segment, []):
             value = entry.sent[tag]
@@ -207,17 +211,16 @@ class PipelineRun:
             root = root + (tensor.sum() if gradient is None else (tensor * gradient).sum())
         leaves = [tensor for tensor in entry.received.values() if tensor.requires_grad]
         if input_gradients_only:
-            grads = torch.autograd.grad(root, leaves, retain_graph=True, allow_unused=True) if leaves else ()
-            entry.root = root
-            input_gradients = dict(zip((id(leaf) for leaf in leaves), grads))
+            grads, self.deferred[segment] = input_gradients(root, leaves, self.parameters)
+            input_gradients_by_id = dict(zip((id(leaf) for leaf in leaves), grads))
         else:
             root.backward()
-            input_gradients = {id(leaf): leaf.grad for leaf in leaves}
+            input_gradients_by_id = {id(leaf): leaf.grad for leaf in leaves}
         for tag, src, shape, dtype, gradient in self.module.BOUNDARY_IN.get(segment, []):
             tensor = entry.received[tag]
             if not gradient:
                 continue
-            gradient = input_gradients.get(id(tensor))
+            gradient = input_gradients_by_id.get(id(tensor))
             gradient = torch.zeros(shape, dtype=dtype, device=self.device) if gradient is None else gradient
             if src == self.rank:
                 self.local_gradients[tag] = gradient
@@ -230,7 +233,7 @@ class PipelineRun:
             self.communicator.release_send(dst, tag + BACKWARD_TAG_OFFSET if gradient else tag)
 
     def weights(self, stage: int, microbatch: int) -> None:
-        """W: accumulate the segment's weight gradients from the root its B kept."""
-        entry = self.stash.pop((stage, microbatch), None)
-        if entry is not None and entry.root is not None and entry.root.requires_grad and self.parameters:
-            entry.root.backward(inputs=self.parameters)
+        """W: accumulate the segment's weight gradients from the gradients its input-only B kept."""
+        deferred = self.deferred.pop((stage, microbatch), None)
+        if deferred is not None:
+            deferred.accumulate()
