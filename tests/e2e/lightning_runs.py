@@ -212,7 +212,16 @@ def build_recycling_model() -> ScheduledEvoformer:
     return ScheduledEvoformer(EVOFORMER)
 
 
-MODELS = {"gpt": (build_model, TokenDataset), "conv": (build_conv_model, SignalDataset), "evoformer": (build_recycling_model, RecyclingDataset)}
+def build_deep_model() -> ScheduledGPT:
+    """GPT.small's widths with 8 blocks (a block per stage of a V-shaped pipeline on 4 ranks)."""
+    torch.manual_seed(0)
+    return ScheduledGPT(dataclasses.replace(GPTConfig.small(), layers=8))
+
+
+MODELS = {
+    "gpt": (build_model, TokenDataset), "gpt8": (build_deep_model, TokenDataset), "conv": (build_conv_model, SignalDataset),
+    "evoformer": (build_recycling_model, RecyclingDataset),
+}
 """Model name -> (model builder, dataset class ``(size, seed)``)."""
 
 
