@@ -3,7 +3,7 @@ traced graph and predicted by the simulator; the fastest that fits the memory li
 
 A candidate is a recipe and its parameters (``candidates``): data parallelism (dp, ZeRO 1 and 3), tensor
 parallelism at each degree (tp, hybrid dp × tp, sp), co-shard (shards, recompute), the pipelines (gpipe, 1f1b,
-zb1, interleaved, 3f1b, interlaced: stages, microbatches, virtual stages) and dp × tp × pp (hybrid3d); 1f1b, zb1 and
+zb1, zbv, vhalf, interleaved, 3f1b, interlaced: stages, microbatches, virtual stages) and dp × tp × pp (hybrid3d); 1f1b, zb1 and
 hybrid3d also with per-stage choices (``RECOMPUTED_PIPELINES``): the first stage recomputed, every stage, then the
 first stage co-sharded (two pieces per rank of each split, each recomputed alone), every stage. Each is planned on a
 copy of the graph, checked as ``parallelize`` checks it (the recipe's own ``ValueError``, the coverage check),
@@ -34,9 +34,11 @@ from lightning_nnscaler.plans.propagate import recording_refusals
 from lightning_nnscaler.sim.predict import DeviceModel, predict
 from lightning_nnscaler.sim.specs import HardwareSpec, load_spec
 
-FAMILIES = ("dp", "zero1", "zero3", "tp", "sp", "hybrid", "coshard", "gpipe", "1f1b", "zb1", "interleaved", "3f1b", "interlaced", "hybrid3d")
+FAMILIES = (
+    "dp", "zero1", "zero3", "tp", "sp", "hybrid", "coshard", "gpipe", "1f1b", "zb1", "zbv", "vhalf", "interleaved", "3f1b", "interlaced", "hybrid3d",
+)
 """The catalog recipes the search explores, cheapest to plan first (ties in predicted time keep this order)."""
-PIPELINES = ("gpipe", "1f1b", "zb1", "interleaved", "3f1b", "interlaced")
+PIPELINES = ("gpipe", "1f1b", "zb1", "zbv", "vhalf", "interleaved", "3f1b", "interlaced")
 MICROBATCH_CHOICES = 3  # per stage count: the smallest divisors of the replica's batch that are >= stages
 RECOMPUTED_PIPELINES = ("1f1b", "zb1", "hybrid3d")
 """Searched with per-stage choices too (``STAGE_OPTIONS``): recomputed, then co-sharded, the first stage (under 1F1B
@@ -247,7 +249,7 @@ def candidates(world_size: int, batch_rows: int, families: Sequence[str] = FAMIL
             add("coshard", shards=shards, recompute=recompute)
     for stages in stage_counts:
         replicas = world_size // stages
-        for recipe in ("gpipe", "1f1b", "zb1", "interlaced"):
+        for recipe in ("gpipe", "1f1b", "zb1", "zbv", "vhalf", "interlaced"):
             for count in microbatches(replicas, stages):
                 add(recipe, stages=stages, microbatches=count)
         for count in microbatches(replicas, stages, multiple_of=stages):
