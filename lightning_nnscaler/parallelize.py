@@ -39,7 +39,7 @@ from lightning_nnscaler.runtime.executor import RankExecutor, merge_gradients
 from lightning_nnscaler.schedules import Durations, bubble_fraction, execute, grid, lower, theoretical_bubble_fraction, validate
 from lightning_nnscaler.verify import EquivalenceError, evaluate, replica_reference
 
-CODEGEN_VERSION = "6"
+CODEGEN_VERSION = "7"  # 7: message tags numbered per channel (materialize.tags)
 
 @dataclass
 class VerifyReport:
@@ -512,7 +512,7 @@ def check_message_order(program: Program, pipeline: PipelinePlan) -> None:
     boundary_in: dict[tuple, list[Recv]] = {}
     boundary_out: dict[tuple, list[Send]] = {}
     inline: dict[tuple, list[Send | Recv]] = {}
-    floating = {action.tag: action.dtype.startswith(("float", "bfloat", "complex"))
+    floating = {(action.src, rank_program.rank, action.tag): action.dtype.startswith(("float", "bfloat", "complex"))
                 for rank_program in program.ranks for action in rank_program.actions if isinstance(action, Recv)}
     for rank_program in program.ranks:
         for action in rank_program.actions:
@@ -540,7 +540,8 @@ def check_message_order(program: Program, pipeline: PipelinePlan) -> None:
                     if message.gradient:
                         post(message, rank, "gradient", reverse=True)
                 for message in reversed(inline.get((rank, segment), [])):
-                    if floating.get(message.tag, False):
+                    channel = (rank, message.dst, message.tag) if isinstance(message, Send) else (message.src, rank, message.tag)
+                    if floating.get(channel, False):
                         post(message, rank, "inline gradient", reverse=True)
                 for message in inputs:
                     if message.gradient:

@@ -21,9 +21,9 @@ class Graph:
     primitives (``op_trans``, ``op_assign``, ``op_order``). Ops are kept in a topological order of
     their data dependencies; a partitioned op's pieces take its place in that order.
 
-    Ops live in slots (one per op added, pieces replace their op inside its slot), so looking up an
-    op costs O(1) (a name index) and replacing one O(pieces of its slot), not O(graph): plans of 100k
-    pieces stay fast.
+    Ops are linked in order by name (each op's predecessor and successor), so looking up an op costs
+    O(1) (a name index) and replacing one O(its replacements), not O(graph) nor O(pieces of its origin):
+    plans of 100k pieces stay fast.
 
     Attributes:
         tensors: Every PTensor by name.
@@ -59,26 +59,36 @@ class Graph:
     def ops(self) -> tuple[Op, ...]:
         """The ops in order."""
         if self._flat is None:
-            self._flat = tuple(op for slot in self._slots for op in slot)
+            ordered, name = [], self._next[None]
+            while name is not None:
+                ordered.append(self._by_name[name])
+                name = self._next[name]
+            self._flat = tuple(ordered)
         return self._flat
 
     @ops.setter
     def ops(self, ops: list[Op] | tuple[Op, ...]) -> None:
-        self._slots: list[list[Op]] = [[op] for op in ops]
-        self._slot_names: list[list[str]] = [[op.name] for op in ops]  # beside each slot: its ops' names, searched in C
-        self._slot_of: dict[str, int] = {op.name: index for index, op in enumerate(ops)}
+        names: list[str | None] = [None, *(op.name for op in ops), None]
+        # Beside each op's name, the names before and after it; None stands for the start and the end.
+        self._next: dict[str | None, str | None] = dict(zip(names[:-1], names[1:]))
+        self._previous: dict[str | None, str | None] = dict(zip(names[1:], names[:-1]))
         self._by_name: dict[str, Op] = {op.name: op for op in ops}
         self._flat: tuple[Op, ...] | None = None
         self._ordered_under: tuple[tuple[str, str], ...] | None = None  # see mark_dependency_order
 
     def add_op(self, op: Op) -> None:
         """Append an op at the end of the order."""
-        self._slot_of[op.name] = len(self._slots)
-        self._slots.append([op])
-        self._slot_names.append([op.name])
+        self._link(self._previous[None], [op.name], None)
         self._by_name[op.name] = op
         self._flat = None
         self._ordered_under = None
+
+    def _link(self, before: str | None, names: list[str], after: str | None) -> None:
+        """Chain ``names`` in order between ``before`` and ``after`` (None: the start, the end)."""
+        chain = [before, *names, after]
+        for first, second in zip(chain[:-1], chain[1:]):
+            self._next[first] = second
+            self._previous[second] = first
 
     def op(self, op: Op | str) -> Op:
         """The graph's current op named like ``op`` (an Op handle may be stale after an edit)."""
@@ -101,14 +111,10 @@ class Graph:
     def replace_op(self, op: Op | str, replacements: list[Op]) -> None:
         """Put ``replacements`` where ``op`` was."""
         name = self.op(op).name
-        slot_index = self._slot_of.pop(name)
         del self._by_name[name]
-        names = self._slot_names[slot_index]
-        position = names.index(name)
-        self._slots[slot_index][position : position + 1] = replacements
-        names[position : position + 1] = [replacement.name for replacement in replacements]
+        before, after = self._previous.pop(name), self._next.pop(name)
+        self._link(before, [replacement.name for replacement in replacements], after)
         for replacement in replacements:
-            self._slot_of[replacement.name] = slot_index
             self._by_name[replacement.name] = replacement
         self._flat = None
         self._ordered_under = None

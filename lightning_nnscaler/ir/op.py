@@ -68,9 +68,20 @@ class Op:
     def placed(self, device: int | None, segment: tuple[int, int] | None) -> Op:
         """This op on ``device`` in ``segment``; the same call, so it keeps its input pieces once found (a recipe places
         every piece of a large plan, often more than once)."""
-        moved = dataclasses.replace(self, device=device, segment=segment)
-        if "tensor_inputs" in self.__dict__:
-            moved.__dict__["tensor_inputs"] = self.__dict__["tensor_inputs"]
+        return self.evolve(device=device, segment=segment)
+
+    def evolve(self, **changes: Any) -> Op:
+        """This op with the fields in ``changes`` replaced (``dataclasses.replace``, without running ``__init__`` again:
+        a recipe copies hundreds of thousands of pieces); it keeps the input pieces found unless the arguments change."""
+        unknown = changes.keys() - _FIELD_NAMES
+        if unknown:
+            raise TypeError(f"Op has no fields {sorted(unknown)}")
+        state = dict(self.__dict__)
+        state.update(changes)
+        if "args" in changes or "kwargs" in changes:
+            state.pop("tensor_inputs", None)
+        moved = object.__new__(Op)
+        object.__setattr__(moved, "__dict__", state)
         return moved
 
     @property
@@ -122,3 +133,6 @@ def resolve_target(target: str) -> Callable[..., Any]:
     """The callable behind a target name such as ``"aten.linear.default"``."""
     namespace, name, overload = target.split(".")
     return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+
+
+_FIELD_NAMES = frozenset(field.name for field in dataclasses.fields(Op))

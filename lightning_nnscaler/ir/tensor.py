@@ -9,7 +9,7 @@ Two pieces depend on each other iff they belong to the same PTensor and their ma
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 from lightning_nnscaler.ir.box import Box, full_box
@@ -86,7 +86,7 @@ class IndexMask:
 
     def is_full(self, shape: tuple[int, ...]) -> bool:
         """Whether this mask covers all of a tensor of ``shape``."""
-        return self == IndexMask.full(shape)
+        return self.ranges == full_box(shape)  # as ``self == IndexMask.full(shape)``, without building the mask
 
     def split(self, dim: int, parts: int) -> list[IndexMask]:
         """Cut dim ``dim`` into ``parts`` equal contiguous ranges (the caller checks divisibility)."""
@@ -167,11 +167,11 @@ class VTensor:
 
     def split_dim(self, dim: int, parts: int) -> list[VTensor]:
         """Pieces cutting dim ``dim`` into ``parts``."""
-        return [replace(self, index=index) for index in self.index.split(dim, parts)]
+        return [VTensor(self.tensor, index, self.value) for index in self.index.split(dim, parts)]
 
     def split_value(self, parts: int) -> list[VTensor]:
         """Pieces holding ``parts`` partial sums of this piece."""
-        return [replace(self, value=value) for value in self.value.split(parts)]
+        return [VTensor(self.tensor, self.index, value) for value in self.value.split(parts)]
 
     def overlaps(self, other: VTensor) -> bool:
         """Whether two pieces share data (same PTensor, overlapping indices)."""

@@ -33,6 +33,7 @@ from lightning_nnscaler.materialize.program import (
     Assemble, Collective, Compute, Fragment, GradientGroup, LocalTensor, Program, RankOutput, RankProgram, Recv, Segment, Send, box_of,
 )
 from lightning_nnscaler.materialize.search import AlphaBeta, CollectivesOnly, CostModel
+from lightning_nnscaler.materialize.tags import ChannelTags
 from lightning_nnscaler.materialize.written import Written, WrittenPieces
 
 PieceKey = tuple[Segment, str, IndexMask, object]
@@ -82,7 +83,7 @@ class _Builder:
         self.cache: list[dict[PieceKey, str]] = [{} for _ in range(world_size)]
         self.names = VariableNames(world_size)
         self.held: dict[tuple[int, str], list[tuple[str, IndexMask]]] = defaultdict(list)
-        self.tags = itertools.count(1)
+        self.tags = ChannelTags(world_size)
         self.segment_of: dict[tuple[int, str], Segment] = {}  # (rank, variable) -> segment defining it
         self.prologue_received: dict[tuple[int, str, tuple, int], str] = {}
         self.pipelined = any(op.segment is not None for op in graph.ops)
@@ -351,7 +352,7 @@ class _Builder:
             return self.prologue_received[key]
         boundary = source_segment != segment
         gradient = piece.tensor.dtype.startswith(("float", "bfloat", "complex")) and (src, source_segment) not in self.no_grad_segments
-        tag = next(self.tags)
+        tag = self.tags.next(src, dst)
         self.programs[src].actions.append(Send(produced_at + 0.1, source_var, region, dst, tag, source_segment, boundary, gradient))
         var = self.var(dst, f"{piece.name}_from_{src}")
         # Received right after it is sent: between two ranks, receives then follow the order of the
@@ -410,10 +411,10 @@ def _merge_local_value_parts(pieces: list[VTensor]) -> VTensor | None:
     return VTensor(first.tensor, first.index, ValueMask(parts[0] // count, total // count))
 
 
-def _action_order(action: object) -> tuple[float, int, int]:
-    """By position; at one position sends come before receives, and messages go by tag."""
-    kind = 0 if isinstance(action, Send) else 1
-    return (action.position, kind, getattr(action, "tag", 0))
+def _action_order(action: object) -> tuple[float, int]:
+    """By position; at one position sends come before receives (a stable sort keeps the messages of one
+    position in the order they were created, which between two ranks is the order of their tags)."""
+    return (action.position, 0 if isinstance(action, Send) else 1)
 
 
 def _choose_holder(holders: list[Written], rank: int) -> Written:

@@ -26,7 +26,6 @@ ranks. Ranks form the grid ``dp × pp × tp`` (tp fastest): stage ``s`` lives on
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import re
@@ -304,7 +303,7 @@ def pipeline(
             ranks = [_rank(grid, replica, column, position) for position in range(tp)]
             placed = op_assign(graph, piece, ranks[0], segment=segment)  # with tp > 1, split over the stage's ranks below
             if 0 <= stage < order.forward_only and not placed.no_grad:  # a recycling stage: no gradient flows through it
-                graph.replace_op(placed, [dataclasses.replace(placed, no_grad=True)])
+                graph.replace_op(placed, [placed.evolve(no_grad=True)])
     for (replica, microbatch), names in vocabulary_split.items():
         ranks = [_rank(grid, replica, column, 0) for column in range(pp)]
         walk = propagate(graph, pp, ops=names, choose=vocabulary_choice(shared))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 from lightning_nnscaler.ir.rules import rule_for
 from lightning_nnscaler.ir.annotation import AnnotationError, DimAnnotation
@@ -36,7 +35,7 @@ def op_trans(graph: Graph, op: Op | str, dim: str, parts: int) -> list[Op]:
     if not isinstance(parts, int) or parts < 1:
         raise TransformError(f"op {op.name!r}: parts must be a positive int, got {parts!r}")
     if dim == "replicate":
-        pieces = [replace(op, name=f"{op.name}.{i}", origin=op.source_name) for i in range(parts)]
+        pieces = [op.evolve(name=f"{op.name}.{i}", origin=op.source_name) for i in range(parts)]
     else:
         annotation = _annotation_of(op, dim)
         if dim == "value":
@@ -115,7 +114,7 @@ def _split_dim(op: Op, annotation: DimAnnotation, name: str, parts: int) -> list
 
 def _piece(op: Op, index: int, cut, outputs: tuple[VTensor, ...]) -> Op:
     args, kwargs = op.map_tensor_inputs(cut)
-    return replace(op, name=f"{op.name}.{index}", args=args, kwargs=kwargs, outputs=outputs, origin=op.source_name)
+    return op.evolve(name=f"{op.name}.{index}", args=args, kwargs=kwargs, outputs=outputs, origin=op.source_name)
 
 
 def _edges_through_pieces(edges: list[tuple[str, str]], old: str, new: list[str]) -> list[tuple[str, str]]:

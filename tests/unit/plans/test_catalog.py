@@ -19,7 +19,7 @@ from lightning_nnscaler.plans.context import PlanContext
 from lightning_nnscaler.plans.dp import dp
 from lightning_nnscaler.plans.layout import DeviceGrid, RecipeLayout, data_parallel_layout
 
-RECIPES = ["1f1b", "3f1b", "auto", "coshard", "dp", "gpipe", "hybrid", "hybrid3d", "interlaced", "interleaved", "sp", "tp", "zb1", "zero1", "zero3"]
+RECIPES = ["1f1b", "3f1b", "auto", "coshard", "dp", "gpipe", "hybrid", "hybrid3d", "interlaced", "interleaved", "sp", "tp", "vhalf", "zb1", "zbv", "zero1", "zero3"]
 
 
 def test_catalog_lists_every_built_in_recipe() -> None:

@@ -46,8 +46,8 @@ def stage0_microbatch0(held, shared, received, communicator, token):
     del linear
     linear_1 = aten.linear.default(relu, p_module_second_weight, p_module_second_bias)  # linear_1.0: (4, 4)
     del relu
-    token = comm.send(token, linear_1, 1, 2, communicator)
-    linear_1_from_1, token = comm.recv(token, (4, 4), torch.float32, 1, 1, communicator)
+    token = comm.send(token, linear_1, 1, 3, communicator)
+    linear_1_from_1, token = comm.recv(token, (4, 4), torch.float32, 1, 3, communicator)
     linear_1_assembled = assemble((4, 4), torch.float32, [(linear_1, (slice(0, 4), slice(0, 4))), (linear_1_from_1, (slice(0, 4), slice(0, 4)))])  # %linear_1
     del linear_1, linear_1_from_1
     sum_1 = aten.sum.default(linear_1_assembled)  # sum_1.0: ()

@@ -42,11 +42,11 @@ def stage0_microbatch0(held, shared, received, communicator, token):
     linear = aten.linear.default(args_0, p_module_first_weight, p_module_first_bias)  # linear.1: (4, 4)
     relu = aten.relu.default(linear)  # relu.1: (4, 4)
     del linear
-    linear_1_from_0, token = comm.recv(token, (4, 4), torch.float32, 0, 2, communicator)
+    linear_1_from_0, token = comm.recv(token, (4, 4), torch.float32, 0, 3, communicator)
     p_module_second_bias_zero_part = zeros((4,), torch.float32, DEVICE)  # value part 1/2: exact zeros
     linear_1 = aten.linear.default(relu, p_module_second_weight, p_module_second_bias_zero_part)  # linear_1.1: (4, 4)
     del relu, p_module_second_bias_zero_part
-    token = comm.send(token, linear_1, 0, 1, communicator)
+    token = comm.send(token, linear_1, 0, 3, communicator)
     linear_1_assembled = assemble((4, 4), torch.float32, [(linear_1_from_0, (slice(0, 4), slice(0, 4))), (linear_1, (slice(0, 4), slice(0, 4)))])  # %linear_1
     del linear_1_from_0, linear_1
     sum_1 = aten.sum.default(linear_1_assembled)  # sum_1.1: ()
