@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
+from support.threads import ThreadGather
 
 import lightning_nnscaler  # noqa: F401 - registers the strategies
 from lightning_nnscaler import checkpoint, cli
@@ -47,19 +48,11 @@ def save(path: Path, step: int, *, write: Optional[Callable[[int, Any, Path], An
     """``save_sharded`` of a tp-like 2-rank plan (rank r holds weight rows 2r..2r+1, rank 0 the bias) at ``step``,
     the ranks as threads; ``write(rank, payload, path)`` replaces the file write. Returns each rank's exception."""
     weight, bias = _values(step)
-    slots: list[Any] = [None] * WORLD_SIZE
-    barrier = threading.Barrier(WORLD_SIZE, timeout=timeout)
+    gather = ThreadGather(WORLD_SIZE, timeout=timeout)
     errors: list[Optional[BaseException]] = [None] * WORLD_SIZE
-    local = threading.local()
-
-    def gather(obj: Any) -> list[Any]:
-        barrier.wait()
-        slots[local.rank] = obj
-        barrier.wait()
-        return list(slots)
 
     def rank_main(rank: int) -> None:
-        local.rank = rank
+        gather.enter(rank)
         rows = PieceLocation("weight", ((2 * rank, 2 * rank + 2), (0, 6)))
         model = [(rows, weight[2 * rank: 2 * rank + 2])] + ([(PieceLocation("bias", ((0, 4),)), bias)] if rank == 0 else [])
         optimizer = [[(location, {"step": torch.tensor(float(step)), "exp_avg": value * 2}) for location, value in model]]
@@ -76,11 +69,11 @@ def save(path: Path, step: int, *, write: Optional[Callable[[int, Any, Path], An
             errors[rank] = error
         except BaseException as error:  # noqa: BLE001 - a "killed" rank: the others must not wait for it
             errors[rank] = error
-            barrier.abort()
+            gather.abort()
 
     original = strategy_checkpoint.write_atomically
     if write is not None:
-        strategy_checkpoint.write_atomically = lambda payload, file: write(local.rank, payload, file)
+        strategy_checkpoint.write_atomically = lambda payload, file: write(gather.local.rank, payload, file)
     try:
         threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(WORLD_SIZE)]
         for thread in threads:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from support.threads import ThreadGather
 
 from lightning_nnscaler import checkpoint
 from lightning_nnscaler.checkpoint import CheckpointError, layout, rank_file_name, read_pieces
@@ -91,17 +92,10 @@ def save(
     """``save_sharded`` of the full state cut by the layout, its ranks as threads; ``drop`` a key no rank holds past rank 0."""
     world_size, plan = LAYOUTS[layout_name]
     state = _state(shapes)
-    slots: list[Any] = [None] * world_size
-    barrier, local, errors = threading.Barrier(world_size, timeout=30), threading.local(), []
-
-    def gather(obj: Any) -> list[Any]:
-        barrier.wait()
-        slots[local.rank] = obj
-        barrier.wait()
-        return list(slots)
+    gather, errors = ThreadGather(world_size, timeout=30), []
 
     def rank_main(rank: int) -> None:
-        local.rank = rank
+        gather.enter(rank)
         model, optimizer_locations = plan(rank, shapes)
         model = [location for location in model if not (drop == location.state_key and rank > 0)]
         pieces = [(location, location.take(state["value"][location.state_key])) for location in model]
@@ -120,7 +114,7 @@ def save(
             )
         except BaseException as error:  # noqa: BLE001 - reported below
             errors.append(error)
-            barrier.abort()
+            gather.abort()
 
     threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(world_size)]
     for thread in threads:
