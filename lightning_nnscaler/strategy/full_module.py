@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from lightning_nnscaler.checkpoint import read_pieces
 from lightning_nnscaler.ir.box import PieceLocation
 from lightning_nnscaler.runtime.executor import RankExecutor
 
@@ -158,8 +159,6 @@ def restore_pieces(
 
     Under ZeRO the replicated boxes are rebuilt from the owned chunks, which are what is read.
     """
-    from lightning_nnscaler.checkpoint import read_pieces
-
     owned_boxes = {id(owned.box) for owned in executor.reducer.owned}
     shards = [shard for shard in executor.shards.values() if id(shard.tensor) not in owned_boxes]
     chunks = [piece for piece in executor.pieces() if piece.location.chunk is not None]
