@@ -273,7 +273,7 @@ def roofline_fit(spec: HardwareSpec, plans: list[tuple[int, lnn.Plan]]) -> Roofl
     alone in this process (``sim.profile``, fastest repeats; ``sim.calibrate.fit_roofline``)."""
     with tempfile.TemporaryDirectory(prefix="lnn-profile-") as folder:
         profiled = Profiled(ProfileDB.open(directory=Path(folder)), Roofline(spec), statistic=min)
-        ops = [action.op for _, plan in plans for program in plan.program.ranks for action in program.actions
+        ops = [action.op for _, plan in plans for program in plan.materialized.ranks for action in program.actions
                if isinstance(action, Compute)]
         return fit_roofline(spec, ops, [profiled.op_time(op) for op in ops])
 

@@ -112,7 +112,7 @@ def check_step(config: GPTConfig, dtype: torch.dtype, spec: HardwareSpec, device
     plan = lnn.parallelize(model, batch, "dp", 1, step="training_step")
     with tempfile.TemporaryDirectory(prefix="lnn-profile-") as folder:
         profiled = Profiled(ProfileDB.open(device, directory=Path(folder)), Roofline(spec), device=device)
-        ops = [action.op for action in plan.program.ranks[0].actions if isinstance(action, Compute)]
+        ops = [action.op for action in plan.materialized.ranks[0].actions if isinstance(action, Compute)]
         fitted = fit_roofline(spec, ops, [profiled.op_time(op) for op in ops])
         calibrated = replace(spec, op_overhead_s=fitted.overhead, matmul_efficiency=fitted.matmul_efficiency, memory_efficiency=fitted.memory_efficiency)
         predictions = {

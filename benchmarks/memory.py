@@ -103,8 +103,10 @@ RSS_CONFIGS = {
     **{f"{recipe}={devices}": (f"nnscaler_{recipe}" if recipe != "dp" else "nnscaler", devices, "")
        for devices in (2, 4) for recipe in ("dp", "zero1", "zero3", "tp", "1f1b")},
     "hybrid3d=2": ("nnscaler_hybrid3d", 2, "dp=1,tp=1,pp=2"), "hybrid3d=4": ("nnscaler_hybrid3d", 4, "dp=1,tp=2,pp=2"),
+    # ZeRO-3 cut into one stage per layer: each rank gathers one layer's parameters at a time
+    "zero3 stages=2": ("nnscaler_zero3", 2, "stages=8"), "zero3 stages=4": ("nnscaler_zero3", 4, "stages=8"),
 }
-RSS_GOALS = {"zero3=4": 0.35, "hybrid3d=4": 0.35, "1f1b=4": 0.40, "tp=4": 0.45, "zero1=4": 0.60}
+RSS_GOALS = {"zero3=4": 0.35, "zero3 stages=4": 0.35, "hybrid3d=4": 0.35, "1f1b=4": 0.40, "tp=4": 0.45, "zero1=4": 0.60}
 
 
 def rss_run(strategy: str, devices: int, params: str = "") -> list[dict]:

@@ -160,9 +160,7 @@ def held_bytes(executor: RankExecutor, optimizer: torch.optim.Optimizer) -> int:
     tensors += [tensor.grad for tensor in [*tensors, *executor.parameters()] if isinstance(tensor, torch.nn.Parameter) and tensor.grad is not None]
     tensors += executor.parameters()
     tensors += [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor) and value.dim()]
-    for queue in executor.reducer._queues.values():  # the runtime's buckets: no public accessor, read for the measurement only
-        for bucket in queue.buckets:
-            tensors.append(bucket.buffer)
+    tensors += executor.reducer.bucket_buffers
     storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in tensors}
     return sum(nbytes for pointer, nbytes in storages.items() if pointer)
 

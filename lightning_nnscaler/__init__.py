@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from lightning_nnscaler import checkpoint
     from lightning_nnscaler.capture import CaptureError, FrozenValueError, bind_inputs, flatten_inputs, register_annotation, trace
     from lightning_nnscaler.ir.annotation import DimAnnotation
+    from lightning_nnscaler.ir.errors import NnScalerError
     from lightning_nnscaler.ir.graph import Graph
     from lightning_nnscaler.ir.interpret import run_graph
     from lightning_nnscaler.ir.op import Op
@@ -45,6 +46,7 @@ _MODULE_OF: dict[str, str] = {
     "checkpoint": "lightning_nnscaler.checkpoint",  # the subpackage itself: load, merge, open_merged
     **dict.fromkeys(["CaptureError", "FrozenValueError", "bind_inputs", "flatten_inputs", "register_annotation", "trace"], "lightning_nnscaler.capture"),
     "DimAnnotation": "lightning_nnscaler.ir.annotation",
+    "NnScalerError": "lightning_nnscaler.ir.errors",
     "Graph": "lightning_nnscaler.ir.graph",
     "run_graph": "lightning_nnscaler.ir.interpret",
     "Op": "lightning_nnscaler.ir.op",
@@ -61,7 +63,7 @@ _MODULE_OF: dict[str, str] = {
 
 __all__ = [
     "NnScalerStrategy", "checkpoint",
-    "CaptureError", "Constraints", "FrozenValueError", "IdleRankError", "PartialPlanWarning", "PlanError", "DimAnnotation", "Graph", "IndexMask", "Op", "PTensor", "ValueMask", "VTensor",
+    "CaptureError", "Constraints", "FrozenValueError", "IdleRankError", "NnScalerError", "PartialPlanWarning", "PlanError", "DimAnnotation", "Graph", "IndexMask", "Op", "PTensor", "ValueMask", "VTensor",
     "assert_equivalent", "bind_inputs", "flatten_inputs", "op_assign", "op_order", "op_trans", "register_annotation", "run_graph",
     "DeviceGrid", "GlobalMeanWarning", "Plan", "PlanContext", "RecipeError", "RecipeLayout", "apply_recipe", "build_plan", "list_recipes", "load_recipe", "parallelize", "register_recipe", "trace", "validate_plan",
 ]

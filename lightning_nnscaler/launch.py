@@ -34,12 +34,13 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_nnscaler.ir.errors import NnScalerError
 from lightning_nnscaler.runtime.failures import PEER_REPORT_WAIT_S, PeerRankFailed, is_communication_failure, report_failure, where_raised
 
 SETTLE_S = PEER_REPORT_WAIT_S + 1.0  # after a rank fails, how long the others may take to fail (and say why) before they are terminated
 
 
-class LaunchError(RuntimeError):
+class LaunchError(NnScalerError, RuntimeError):
     """A rank failed, died, or the run passed its timeout."""
 
 

@@ -35,6 +35,7 @@ import torch
 from lightning_nnscaler.capture.logs import LogCall
 from lightning_nnscaler.capture.metrics import MetricCall
 from lightning_nnscaler.capture.trace import needed_ops
+from lightning_nnscaler.ir.errors import NnScalerError
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.interpret import call_op
 from lightning_nnscaler.ir.op import Op, resolve_target
@@ -44,7 +45,7 @@ from lightning_nnscaler.ir.tensor import PTensor, VTensor
 from lightning_nnscaler.plans.propagate import batch_dims
 
 
-class LoggedValueError(ValueError):
+class LoggedValueError(NnScalerError, ValueError):
     """A value ``training_step`` logs that the plan cannot compute per replica; names the key and the op."""
 
 

@@ -31,15 +31,17 @@ from lightning_nnscaler.ir.randomness import current_stream
 from lightning_nnscaler.ir.validate import PlanError
 from lightning_nnscaler.logged_values import KeptTargets, LoggedValues, kept_targets, plan_logged_values
 from lightning_nnscaler.materialize.dependencies import materialize
-from lightning_nnscaler.materialize.program import Compute, Program, Recv, Send
+from lightning_nnscaler.materialize.program import Compute, Program
+from lightning_nnscaler.materialize.steps import check_message_order, step_program
 from lightning_nnscaler.plans.context import PipelinePlan
 from lightning_nnscaler.plans.layout import RecipeLayout, single_replica
+from lightning_nnscaler.program import BUCKET_BYTES, Program as StepProgram
 from lightning_nnscaler.runtime.comm import Communicator
 from lightning_nnscaler.runtime.executor import RankExecutor, merge_gradients
 from lightning_nnscaler.schedules import Durations, bubble_fraction, execute, grid, lower, theoretical_bubble_fraction, validate
 from lightning_nnscaler.verify import EquivalenceError, evaluate, replica_reference
 
-CODEGEN_VERSION = "7"  # 7: message tags numbered per channel (materialize.tags)
+CODEGEN_VERSION = "8"  # 8: PROGRAM (the step's actions) and BUCKETS replace SCHEDULE
 
 @dataclass
 class VerifyReport:
@@ -66,7 +68,11 @@ class Plan:
     world_size: int
     graph: Graph
     planned: Graph
-    program: Program
+    materialized: Program
+    """Every rank's ops and pieces after dependency materialization (what codegen writes as segment functions)."""
+    program: StepProgram
+    """The step: every rank's actions in order and its gradient buckets (``program.Program``), what the runtime runs
+    and the simulator prices."""
     sources: Sequence[str]
     """Rank ``r``'s module as ``sources[r]`` (``codegen.sources.RankSources``: generated when first read)."""
     plan_hash: str
@@ -176,7 +182,7 @@ class Plan:
         """Per rank, ``explain_rank``: bytes of parameters, gradients, optimizer state (Adam assumed),
         activations and ZeRO's transient full-size tensors, and bytes sent per step (all, and the
         gradient reduction's part). ``explain()``, ``draw()`` and the strategy's logged plan all show these rows."""
-        return memory_rows(self.program, self.graph.parameters, self.pipeline, zero_stage=self.zero_stage)
+        return memory_rows(self.materialized, self.graph.parameters, self.pipeline, zero_stage=self.zero_stage)
 
     def draw(self, path: str | os.PathLike[str], spec: Any = "a100") -> Path:
         """Write the plan picture to ``path`` (PNG): per-rank predicted memory bars and the simulated
@@ -236,7 +242,7 @@ def explain_pipeline(pipeline: PipelinePlan) -> str:
 def parallelize(
     module: nn.Module, example_args: Any, recipe: str = "dp", world_size: int = 1, *, step: str | None = None,
     batch_idx: int = 0, step_args: tuple = (), communication_cost: Any = None, allow_partial: bool = False, progress: Callable[[str], None] | None = None,
-    rank: int | None = None, **params: Any,
+    rank: int | None = None, bucket_bytes: int | None = None, **params: Any,
 ) -> Plan:
     """Trace ``module``, apply the catalog recipe ``recipe`` for ``world_size`` ranks, materialize
     and generate per-rank code.
@@ -264,6 +270,8 @@ def parallelize(
             generation) starts and ends, with its time: how a large model's planning shows progress.
         rank: The rank this process runs: only its module is generated now, every other rank's the first time
             ``plan.sources[r]`` is read (``codegen.sources``); None generates every rank's now.
+        bucket_bytes: The size the gradient buckets are cut at (DDP's ``bucket_cap_mb``; None: 25 MiB). The buckets
+            are part of the plan: the runtime sums them and the simulator prices them.
         **params: The recipe's parameters (checked against the catalog before anything runs).
     """
     from lightning_nnscaler.plans.catalog import apply_recipe
@@ -300,6 +308,7 @@ def parallelize(
         plan = build_plan(
             module, example_args, step, graph, planned, world_size, recipe=recipe, params=params, zero_stage=context.zero_stage,
             validated=True, communication_cost=communication_cost, layout=context.layout, pipeline=context.pipeline, rank=rank,
+            bucket_bytes=bucket_bytes,
         )
     plan.step_values = step_values
     plan.logged = logged
@@ -447,6 +456,7 @@ def build_plan(
     module: nn.Module, example_args: Any, step: str | None, graph: Graph, planned: Graph, world_size: int,
     *, recipe: str = "custom", params: dict[str, Any] | None = None, zero_stage: int = 0, validated: bool = False,
     communication_cost: Any = None, layout: RecipeLayout | None = None, pipeline: PipelinePlan | None = None, rank: int | None = None,
+    bucket_bytes: int | None = None,
 ) -> Plan:
     """Materialize a graph planned by any means (a recipe or hand-written primitives) and generate code.
 
@@ -455,6 +465,7 @@ def build_plan(
     loads the whole batch); each rank's batch pieces must lie inside its replica's rows.
     ``pipeline`` is the schedule of a plan whose ops carry segments (``PlanContext.pipeline``).
     ``rank``: generate only that rank's module now, the others when first read (``parallelize``'s ``rank``).
+    ``bucket_bytes``: the size the gradient buckets are cut at (None: ``program.BUCKET_BYTES``, DDP's 25 MiB).
 
     Raises:
         PlanError: a rank reads batch rows outside its replica's share (the layout does not match the plan).
@@ -466,31 +477,36 @@ def build_plan(
         check_batch_split(program, graph, layout or single_replica(world_size, {}), recipe)
         if program.pipelined and pipeline is None:
             raise PlanError("the plan's ops carry pipeline segments but no schedule orders them: pass pipeline= (a PipelinePlan)")
+        lists = [pipeline.actions(each) for each in range(world_size)] if pipeline else None
+        dtypes = {tensor.name: tensor.dtype for tensor in graph.parameters}
+        steps = step_program(program, lists, dtypes, zero_stage=zero_stage, bucket_bytes=bucket_bytes or BUCKET_BYTES)
         if pipeline is not None:
-            check_pipeline(program, pipeline)
-        schedules = [[str(action) for action in pipeline.actions(each)] if pipeline else None for each in range(world_size)]
-        plan_hash = digest("\n".join([CODEGEN_VERSION, str(world_size), str(zero_stage), str(graph), str(planned), str(schedules)]))
+            check_pipeline(program, steps, pipeline)
+        schedules = [[str(action) for action in each] for each in lists] if lists else None
+        plan_hash = digest("\n".join([CODEGEN_VERSION, str(world_size), str(zero_stage), str(steps.bucket_bytes), str(graph), str(planned), str(schedules)]))
         label = f"recipe {recipe}" + (f" {params}" if params else "")
-        sources = RankSources(program, plan_hash[:12], label, zero_stage, schedules if pipeline else None)
+        sources = RankSources(program, steps, plan_hash[:12], label)
         sources.generate(range(world_size) if rank is None else (rank,))
     return Plan(
-        module, example_args, step, recipe, params, world_size, graph, planned, program, sources, plan_hash, zero_stage, layout, pipeline=pipeline,
+        module, example_args, step, recipe, params, world_size, graph, planned, program, steps, sources, plan_hash, zero_stage, layout,
+        pipeline=pipeline,
     )
 
 
-def check_pipeline(program: Program, pipeline: PipelinePlan) -> None:
-    """Raise before any process starts unless ``pipeline`` can run ``program``.
+def check_pipeline(program: Program, steps: StepProgram, pipeline: PipelinePlan) -> None:
+    """Raise before any process starts unless ``pipeline`` can run ``program`` as the step's ``steps`` order it.
 
     The schedule must validate (``schedules.validate`` of its lowering: every dependency respected,
-    messages paired in order, no cross-rank cycle; a ``ScheduleError`` shows the step × rank grid),
-    and each rank's schedule must run exactly the segments its program has.
+    messages paired in order, no cross-rank cycle; a ``ScheduleError`` shows the step × rank grid), every
+    message the program posts must pair in order (``materialize.steps.check_message_order``), and each
+    rank's schedule must run exactly the segments its program has.
 
     Raises:
         ScheduleError: the schedule would hang or run an action before its dependency.
         PlanError: a rank's schedule and its segments differ.
     """
     validate(lower(pipeline.schedule))
-    check_message_order(program, pipeline)
+    check_message_order(program, steps)
     if len(pipeline.column_of_rank) != program.world_size:
         raise PlanError(f"the pipeline places {len(pipeline.column_of_rank)} ranks, but the plan has {program.world_size}")
     for rank_program in program.ranks:
@@ -500,63 +516,6 @@ def check_pipeline(program: Program, pipeline: PipelinePlan) -> None:
             raise PlanError(
                 f"rank {rank_program.rank} runs segments {sorted(present - scheduled)[:4]} (stage, microbatch) that its schedule "
                 f"never runs; its schedule: {[str(action) for action in pipeline.actions(rank_program.rank)][:12]}"
-            )
-
-
-def check_message_order(program: Program, pipeline: PipelinePlan) -> None:
-    """Raise ``PlanError`` unless, between every two ranks, the point-to-point messages are received in
-    the order they are sent when each rank runs its schedule: NCCL pairs point-to-point messages in
-    posting order and ignores tags. ``validate`` checks this for the schedule's stage-to-stage
-    messages; this checks every message the program has: a tensor that skips stages, and the messages
-    inside a segment (its forward in program order, their gradients in reverse in its backward)."""
-    boundary_in: dict[tuple, list[Recv]] = {}
-    boundary_out: dict[tuple, list[Send]] = {}
-    inline: dict[tuple, list[Send | Recv]] = {}
-    floating = {(action.src, rank_program.rank, action.tag): action.dtype.startswith(("float", "bfloat", "complex"))
-                for rank_program in program.ranks for action in rank_program.actions if isinstance(action, Recv)}
-    for rank_program in program.ranks:
-        for action in rank_program.actions:
-            if isinstance(action, (Send, Recv)):
-                table = (boundary_in if isinstance(action, Recv) else boundary_out) if action.boundary else inline
-                table.setdefault((rank_program.rank, action.segment), []).append(action)
-    sent: dict[tuple[int, int], list[tuple[str, int]]] = {}
-    received: dict[tuple[int, int], list[tuple[str, int]]] = {}
-
-    def post(message: Send | Recv, rank: int, kind: str, reverse: bool = False) -> None:
-        sending = isinstance(message, Send) != reverse
-        peer = message.dst if isinstance(message, Send) else message.src
-        channel = (rank, peer) if sending else (peer, rank)
-        (sent if sending else received).setdefault(channel, []).append((kind, message.tag))
-
-    for rank in range(program.world_size):
-        for action in pipeline.actions(rank):
-            segment, kind = (action.stage, action.microbatch), action.kind.value
-            inputs, outputs = boundary_in.get((rank, segment), []), boundary_out.get((rank, segment), [])
-            if kind == "F":
-                for message in [*inputs, *inline.get((rank, segment), []), *outputs]:
-                    post(message, rank, "inline" if not message.boundary else "activation")
-            elif kind == "B":
-                for message in outputs:
-                    if message.gradient:
-                        post(message, rank, "gradient", reverse=True)
-                for message in reversed(inline.get((rank, segment), [])):
-                    channel = (rank, message.dst, message.tag) if isinstance(message, Send) else (message.src, rank, message.tag)
-                    if floating.get(channel, False):
-                        post(message, rank, "inline gradient", reverse=True)
-                for message in inputs:
-                    if message.gradient:
-                        post(message, rank, "gradient", reverse=True)
-    for (src, dst), messages in sorted(sent.items()):
-        if src == dst:
-            continue
-        got = received.get((src, dst), [])
-        if messages != got:
-            index = next((i for i, (a, b) in enumerate(zip(messages, got)) if a != b), min(len(messages), len(got)))
-            raise PlanError(
-                f"rank {src} sends rank {dst} its messages in another order than rank {dst} receives them: "
-                f"message {index} is {messages[index] if index < len(messages) else 'none'} on rank {src} but "
-                f"{got[index] if index < len(got) else 'none'} on rank {dst} (kind, tag); NCCL would pair them wrongly. "
-                "Reorder the schedule, or cut the stages so that no tensor skips a stage."
             )
 
 

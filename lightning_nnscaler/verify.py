@@ -6,13 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_nnscaler.ir.errors import NnScalerError
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.interpret import run_graph
 from lightning_nnscaler.ir.rules.batch_norm import BATCH_DIM, per_piece_statistics
 from lightning_nnscaler.primitives.trans import op_trans
 
 
-class EquivalenceError(AssertionError):
+class EquivalenceError(NnScalerError, AssertionError):
     """A plan's result differs from the reference; the message names the first mismatch."""
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_nnscaler.ir.errors import NnScalerError
 from lightning_nnscaler.plans.catalog import RecipeError, RecipeSpec, load_recipe
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -23,7 +24,7 @@ DATA_KINDS = ("stdlib_text", "synthetic")
 LOGGER_KINDS = ("wandb", "csv", "tensorboard", "none")
 
 
-class ConfigError(ValueError):
+class ConfigError(NnScalerError, ValueError):
     """A config value that cannot work; the message names the key (e.g. ``recipe.params.shards``)."""
 
 

@@ -52,7 +52,7 @@ def rank_parameter_counts(plan: Plan) -> list[int]:
     """Parameter elements each rank holds (the boxes of its parameter pieces)."""
     return [
         sum(math.prod(stop - start for start, stop in local.box) for local in program.inputs if local.role == "parameter")
-        for program in plan.program.ranks
+        for program in plan.materialized.ranks
     ]
 
 

@@ -3,7 +3,7 @@
 ``conf/recipe/<name>.yaml`` files document a recipe's parameters for Hydra users; a catalog recipe
 without such a file (a recipe just added to the catalog) is still selectable as ``recipe=<name>``:
 ``register_catalog_recipes`` stores an entry for it in Hydra's ConfigStore, built from the plan
-function's signature (defaults; required parameters as ``???``, which Hydra asks for).
+recipe's config dataclass (defaults; required parameters as ``???``, which Hydra asks for).
 ``register_user_recipes`` does the same for the recipes registered with ``register_recipe`` in the
 process (``lightning-nnscaler --import my_recipes train recipe=<name>``).
 """
@@ -19,8 +19,12 @@ from lightning_nnscaler.plans.catalog import RecipeSpec, list_recipes
 
 
 def recipe_entry(spec: RecipeSpec) -> dict[str, Any]:
-    """The ``recipe`` group node of a catalog recipe: its name and every parameter with its default."""
-    params = {name: ("???" if parameter.required else parameter.default) for name, parameter in spec.parameters.items()}
+    """The ``recipe`` group node of a catalog recipe: its name and every field of its config with its default
+    (a tuple as a list, as Hydra writes one)."""
+    params = {
+        name: "???" if parameter.required else list(parameter.default) if isinstance(parameter.default, tuple) else parameter.default
+        for name, parameter in spec.parameters.items()
+    }
     return {"name": spec.name, "params": params}
 
 

@@ -15,6 +15,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from lightning_nnscaler.capture.packed import FlattenedLinear, HeadView, PackedProjection, flattened_linears, head_views, packed_projections
 from lightning_nnscaler.capture.random_ops import RANDOM_HANDLERS
 from lightning_nnscaler.capture.sync_batch_norm import decompose_sync_batch_norm, from_sync_batch_norm
+from lightning_nnscaler.ir.errors import NnScalerError
 from lightning_nnscaler.ir.rules import annotate_op
 from lightning_nnscaler.ir.rules.batch_norm import BATCH_NORM, FUNCTIONAL_BATCH_NORM
 from lightning_nnscaler.ir.rules.networks import POINTWISE_LOSSES
@@ -23,7 +24,7 @@ from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.tensor import IndexMask, PTensor, VTensor
 
 
-class CaptureError(RuntimeError):
+class CaptureError(NnScalerError, RuntimeError):
     """The model (or part of it) cannot be captured into the IR; the message says what to change."""
 
 

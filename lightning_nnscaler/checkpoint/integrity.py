@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 import torch
+from lightning_nnscaler.ir.errors import NnScalerError
 
 try:
     import xxhash
@@ -22,7 +23,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     xxhash = None
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(NnScalerError, RuntimeError):
     """A checkpoint that is incomplete, damaged, of another save or format: the message names the file, what is wrong and what to do."""
 
 

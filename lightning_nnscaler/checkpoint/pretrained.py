@@ -3,25 +3,35 @@
 A source is a ``.safetensors`` file or a Hugging Face style directory: ``model.safetensors``; or
 shards listed by ``model.safetensors.index.json``'s ``weight_map`` (any one ``*.safetensors.index.json``
 is read the same way); or, without either, every ``*.safetensors`` file in it (a key in two of them is
-refused). A box is read with ``safe_open(...).get_slice(key)[slices]``: the file is memory-mapped and
-only the box's bytes are copied, so a rank holding a quarter of a tensor reads a quarter of its bytes.
+refused). A box is copied out of the file mapped into memory: only the box's bytes are copied, so a rank
+holding a quarter of a tensor (of its rows or of its columns) reads a quarter of its bytes.
+``PretrainedWeights`` checks a module's keys and shapes against a source once, then reads it box by box
+(``NnScalerStrategy(pretrained=...)``: each rank its own pieces).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Mapping, NamedTuple, Optional
+from typing import Callable, Iterable, Mapping, NamedTuple, Optional
 
 import torch
-from safetensors import safe_open
 
 from lightning_nnscaler.checkpoint.export import INDEX_FILE, SINGLE_FILE
 from lightning_nnscaler.checkpoint.integrity import CheckpointError
-from lightning_nnscaler.ir.box import Box, region
+from lightning_nnscaler.ir.box import Box, PieceLocation, full_box, region
 
-__all__ = ["SliceRead", "read_slices", "safetensors_files"]
+
+def safe_open(path: str, **options: str):  # noqa: ANN201 - safetensors' own handle
+    """``safetensors.safe_open``, imported when a file is first read (``import lightning_nnscaler`` stays light)."""
+    from safetensors import safe_open as open_safetensors
+
+    return open_safetensors(path, **options)
+
+
+__all__ = ["PretrainedWeights", "SliceRead", "read_slices", "safetensors_files"]
 
 
 class SliceRead(NamedTuple):
@@ -52,7 +62,14 @@ def read_slices(
         CheckpointError: ``source`` holds no safetensors, a key is missing from it, or a box does not fit
             the stored shape; the message names the key, the file and what to do.
     """
-    files = safetensors_files(source)
+    return _read_wanted(source, safetensors_files(source), wanted, dtype, key_map)
+
+
+def _read_wanted(
+    source: str | os.PathLike, files: dict[str, Path], wanted: Mapping[str, Optional[Box]], dtype: Optional[torch.dtype],
+    key_map: Optional[Callable[[str], str]],
+) -> SliceRead:
+    """`read_slices` with ``source``'s file of each stored name known (``safetensors_files``)."""
     stored_names = {key: key_map(key) if key_map else key for key in wanted}
     by_file: dict[Path, list[str]] = {}
     for key, name in stored_names.items():
@@ -72,6 +89,81 @@ def read_slices(
                 bytes_read += values.numel() * values.element_size()
                 tensors[key] = values if dtype is None else values.to(dtype)
     return SliceRead(tensors, bytes_read)
+
+
+class PretrainedWeights:
+    """A module's pretrained weights in safetensors, read box by box: every key and shape is checked once, up front,
+    and the bytes read are counted.
+
+    Args:
+        source: a ``.safetensors`` file or a directory holding them (see the module docstring).
+        shapes: the module's state_dict keys and shapes (``module.state_dict()``'s, on meta too).
+        tied: keys of one tensor of the module (tied weights): any of them may be the one stored.
+
+    Raises:
+        CheckpointError: a key is not in ``source`` (under none of its tied names) or is stored with another shape;
+            the message names the key, both shapes or what the source holds, and what to do.
+    """
+
+    def __init__(self, source: str | os.PathLike, shapes: Mapping[str, tuple[int, ...]], tied: Iterable[Iterable[str]] = ()) -> None:
+        self.source = source
+        self.files = safetensors_files(source)
+        self.bytes_read = 0
+        """Bytes of the slices read so far."""
+        aliases = {key: list(group) for group in map(list, tied) for key in group}
+        self.names: dict[str, str] = {}
+        """Each state key -> the name its values are stored under."""
+        for key, shape in shapes.items():
+            stored = next((name for name in aliases.get(key, [key]) if name in self.files), None)
+            if stored is None:
+                raise CheckpointError(
+                    f"{key!r} (shape {list(shape)}) is not in the pretrained weights {source} ({len(self.files)} tensors, e.g. "
+                    f"{sorted(self.files)[:3]}): save the model's state_dict with safetensors under its state_dict keys, or build "
+                    "the model these weights belong to"
+                )
+            self.names[key] = stored
+        self._check_shapes(shapes)
+
+    def _check_shapes(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        by_file: dict[Path, list[str]] = {}
+        for key, name in self.names.items():
+            by_file.setdefault(self.files[name], []).append(key)
+        for file, keys in by_file.items():
+            with safe_open(str(file), framework="pt", device="cpu") as opened:
+                for key in keys:
+                    stored = tuple(opened.get_slice(self.names[key]).get_shape())
+                    if stored != tuple(shapes[key]):
+                        raise CheckpointError(
+                            f"{key!r} has shape {list(stored)} in the pretrained weights {file}, but the module's is "
+                            f"{list(shapes[key])}: the file holds another configuration's weights; build the model with the "
+                            "configuration they were saved from"
+                        )
+
+    @classmethod
+    def of_module(cls, source: str | os.PathLike, module: torch.nn.Module) -> PretrainedWeights:
+        """``module``'s weights in ``source``: its state_dict's keys and shapes (on meta too), its tied keys as one."""
+        state = module.state_dict(keep_vars=True)
+        groups: dict[int, list[str]] = {}
+        for key, tensor in state.items():
+            groups.setdefault(id(tensor), []).append(key)
+        return cls(source, {key: tuple(tensor.shape) for key, tensor in state.items()}, [keys for keys in groups.values() if len(keys) > 1])
+
+    def read_piece(self, location: PieceLocation, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The stored values of a piece: its box, or (ZeRO) its zero-padded flat chunk of the box, cast to ``dtype``."""
+        box = self.read(location.state_key, location.box, dtype)  # contiguous: a piece may be sent as it is
+        return box if location.chunk is None else replace(location, box=full_box(box.shape)).take(box)
+
+    def load_into(self, module: torch.nn.Module) -> None:
+        """Replace the values of ``module``'s (real) tensors with the stored ones, one tensor at a time."""
+        with torch.no_grad():
+            for key, tensor in module.state_dict(keep_vars=True).items():
+                tensor.copy_(self.read(key, dtype=tensor.dtype))
+
+    def read(self, key: str, box: Optional[Box] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The stored values of state key ``key`` (its ``box`` only, when given), cast to ``dtype``."""
+        read = _read_wanted(self.source, self.files, {key: box}, dtype, self.names.__getitem__)
+        self.bytes_read += read.bytes_read
+        return read.tensors[key]
 
 
 def safetensors_files(source: str | os.PathLike) -> dict[str, Path]:
@@ -139,4 +231,29 @@ def _read_box(opened: object, file: Path, key: str, name: str, box: Optional[Box
         )
     if not shape:
         return opened.get_tensor(name)  # type: ignore[attr-defined]
-    return stored[region(box)]
+    mapped = _mapped_view(file, name)
+    if mapped is None:  # a dtype torch cannot view: safetensors copies the rows the box spans
+        return stored[region(box)].contiguous()
+    return mapped[region(box)].clone(memory_format=torch.contiguous_format)
+
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def _mapped_view(file: Path, name: str) -> Optional[torch.Tensor]:
+    """The stored tensor ``name`` as a view of ``file`` mapped into memory (nothing is read until a box of it is
+    copied: a box across rows reads only its own elements, where safetensors' slicing copies every row it spans);
+    None for a dtype or an offset torch cannot view."""
+    with open(file, "rb") as stream:
+        header_size = int.from_bytes(stream.read(8), "little")
+        entry = json.loads(stream.read(header_size))[name]
+    dtype = _DTYPES.get(entry["dtype"])
+    start, stop = entry["data_offsets"]
+    offset = 8 + header_size + start
+    if dtype is None or offset % dtype.itemsize or stop == start:
+        return None
+    storage = torch.UntypedStorage.from_file(str(file), shared=False, nbytes=offset + stop - start)
+    return torch.empty(0, dtype=dtype).set_(storage, offset // dtype.itemsize, tuple(entry["shape"]))

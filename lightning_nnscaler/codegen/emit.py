@@ -1,11 +1,11 @@
 """Code generation: one readable Python module per rank from its materialized program.
 
 The module holds only that rank's pieces: a table of the graph inputs it keeps (parameter boxes,
-buffers, the slice of the batch), its ``SCHEDULE`` of segment actions and one function per segment
+buffers, the slice of the batch), its ``PROGRAM`` (the step's actions, ``program.Program``) and one function per segment
 (``codegen.segments``) with one line per op (a shape comment on each), communication between peers of
 the segment inline. Every such call threads ``token`` so backward replays that communication in exact
 reverse order on every rank. A plan that is not pipelined is the case of one segment, ``stage0_microbatch0``,
-run by the schedule ``["0F0", "0B0"]``.
+run by ``["0F0", "LOSS", "0B0", "REDUCE b0", ..., "STEP"]``.
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ import torch
 from lightning_nnscaler.codegen.names import with_safe_names
 from lightning_nnscaler.codegen.recompute import RecomputeBlocks, block_lines, recompute_blocks
 from lightning_nnscaler.codegen.segments import boundary_lines, emit_segments, is_boundary, segment_of
-from lightning_nnscaler.ir.op import WHOLE_STEP_SCHEDULE
+from lightning_nnscaler.ir.errors import NnScalerError
 from lightning_nnscaler.ir.printer import format_argument
 from lightning_nnscaler.ir.randomness import RANDOM_LIKE_OP, RANDOM_OP
 from lightning_nnscaler.ir.vocab import VOCAB_TARGETS
 from lightning_nnscaler.materialize.posts import receive_posts
 from lightning_nnscaler.materialize.releases import Message
 from lightning_nnscaler.materialize.program import Assemble, Collective, Compute, Program, RankOutput, RankProgram, Recv, Send, reads, writes
+from lightning_nnscaler.materialize.steps import step_program
+from lightning_nnscaler.program import BUCKET_BYTES, Action, Bucket
 
 HEADER = '''"""Rank {rank} of {world_size}: plan {plan_hash} ({label}).
 
@@ -53,7 +55,7 @@ RANDOM_IMPORT = (
 VOCAB_IMPORT = "from lightning_nnscaler.ir import vocab  # torch.ops.lnn.vocab_*: a vocabulary slice's lookup and loss parts (value parts over slices)"
 
 
-class CodegenError(ValueError):
+class CodegenError(NnScalerError, ValueError):
     """The program cannot be written as code (e.g. a pipelined program without its schedule)."""
 
 
@@ -68,16 +70,20 @@ class _Name:
 
 
 def emit_rank(
-    program: Program, rank: int, plan_hash: str, label: str, zero_stage: int = 0, schedule: list[str] | None = None,
-    releases: dict[Message, list[Message]] | None = None,
+    program: Program, rank: int, plan_hash: str, label: str, zero_stage: int = 0, actions: tuple[Action, ...] | None = None,
+    buckets: tuple[Bucket, ...] = (), releases: dict[Message, list[Message]] | None = None,
 ) -> str:
     """The source of rank ``rank``'s module; ``zero_stage`` is the plan's ZeRO option for replicated boxes.
 
     Variables are named after graph tensors, renamed where that would shadow a name the module uses
-    (``codegen.names``). A pipelined program (``program.pipelined``) needs ``schedule``, this rank's
-    compute actions in order (``["0F0", "0F1", "0B0", ...]``); any other is one segment, run forward
-    then backward. ``releases``: the rank's part of ``materialize.releases.pipeline_releases`` (pipelined programs).
+    (``codegen.names``). ``actions`` and ``buckets`` are the rank's part of the step's ``program.Program``
+    (``PROGRAM``, and ``BUCKETS`` as indices into ``GRADIENT_GROUPS``); None for a program that is not pipelined
+    lowers its whole-step actions with float32 boxes cut at the default bucket size. ``releases``: the rank's part
+    of ``materialize.releases.pipeline_releases`` (pipelined programs).
     """
+    if actions is None:
+        steps = step_program(program, None, {}, zero_stage=zero_stage, bucket_bytes=BUCKET_BYTES)
+        actions, buckets = steps.actions[rank], steps.buckets[rank]
     rank_program = with_safe_names(program.ranks[rank])
     lines = [HEADER.format(rank=rank, world_size=program.world_size, plan_hash=plan_hash, label=label)]
     lines.append(f"RANK = {rank}")
@@ -94,12 +100,13 @@ def emit_rank(
     lines.append(f"GROUPS = {program.communication_groups!r}  # every rank creates these, in this order")
     lines.append(f"ZERO_STAGE = {zero_stage}  # replicated boxes: 0 all-reduce, 1 sharded optimizer state, 3 sharded at rest")
     lines.append(f"PIPELINED = {program.pipelined}  # segments pass messages to one another (stages, microbatches)")
+    lines += _program_tables(actions, buckets)
     targets = {action.op.target for action in rank_program.actions if isinstance(action, Compute)}
     if targets & set(RANDOM_TARGETS):
         lines.append(RANDOM_IMPORT)
     if targets & set(VOCAB_TARGETS):
         lines.append(VOCAB_IMPORT)
-    if program.pipelined and schedule is None:
+    if program.pipelined and not any(action.kind.is_compute and action.stage is not None for action in actions):
         raise CodegenError(f"rank {rank}: a pipelined program needs its schedule (the rank's list of F/B/W actions)")
     lines.append("OUTPUTS = [  # (graph output, variable, starts backward, segment)")
     for output in _loss_outputs(program, rank_program):
@@ -107,8 +114,30 @@ def emit_rank(
     lines.append("]")
     lines.extend(_value_tables(program, rank_program))
     body = partial(_body, posts=receive_posts(program, rank))
-    lines.extend(emit_segments(rank_program, schedule if program.pipelined else WHOLE_STEP_SCHEDULE, body, releases if program.pipelined else None))
+    lines.extend(emit_segments(rank_program, body, releases if program.pipelined else None))
     return "\n".join(lines) + "\n"
+
+
+def _program_tables(actions: tuple[Action, ...], buckets: tuple[Bucket, ...]) -> list[str]:
+    """``PROGRAM`` (the rank's step in order, several actions per line: ``program.actions``' text form) and ``BUCKETS``."""
+    lines = ["PROGRAM = [  # this rank's step in order: F forward, B backward, W weight gradients (stage, kind, microbatch), messages, sums"]
+    lines += [f"    {text!r}," for text in _rows([str(action) for action in actions])]
+    lines.append("]")
+    comment = "the gradient buckets REDUCE/GATHER/FREE b<k> name: indices into GRADIENT_GROUPS, back to back"
+    if not buckets:
+        return [*lines, f"BUCKETS = []  # {comment}"]
+    return [*lines, f"BUCKETS = [  # {comment}", *(f"    {[int(var) for var in bucket.vars]!r}," for bucket in buckets), "]"]
+
+
+def _rows(texts: list[str], width: int = 96) -> list[str]:
+    """Action texts joined by ", " into lines of at most about ``width`` characters."""
+    rows, current = [], ""
+    for text in texts:
+        if current and len(current) + 2 + len(text) > width:
+            rows.append(current)
+            current = ""
+        current = f"{current}, {text}" if current else text
+    return [*rows, current] if current else rows
 
 
 def _loss_outputs(program: Program, rank_program: RankProgram) -> list[RankOutput]:

@@ -11,9 +11,10 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
+from lightning_nnscaler.ir.errors import NnScalerError
 
 
-class StaleCodeError(RuntimeError):
+class StaleCodeError(NnScalerError, RuntimeError):
     """A generated file does not match the hash recorded when it was generated."""
 
 

@@ -3,7 +3,7 @@
 Program variables are named after graph tensors, which are named after the user's ops and modules
 (``zeros``, ``token``, ``list``, ``class``, ...). A variable must not shadow what the generated module
 itself uses: a keyword (a syntax error), a builtin (``float``, ``slice``), a name of the module's
-header (``torch``, ``zeros``, ``assemble``, ``HELD``, ``SCHEDULE``, ...), a parameter of a segment
+header (``torch``, ``zeros``, ``assemble``, ``HELD``, ``PROGRAM``, ...), a parameter of a segment
 function (``held``, ``shared``, ``received``, ``communicator``, ``token``), a segment function
 (``stage0_microbatch0``) or a recompute function. Such a variable gets a trailing ``_`` (PEP 8's
 spelling for a name that clashes), then ``_1``, ``_2``, ... until it is unused; other variables keep
@@ -23,7 +23,7 @@ from lightning_nnscaler.materialize.program import Action, Assemble, Collective,
 MODULE_NAMES = frozenset({
     "torch", "comm", "assemble", "checkpoint", "zeros", "aten", "DEVICE", "RANK", "WORLD_SIZE", "HELD",
     "GRADIENT_GROUPS", "GROUPS", "ZERO_STAGE", "PIPELINED", "OUTPUTS", "VALUES", "VALUE_PIECES", "held", "communicator", "token",
-    "SCHEDULE", "SEGMENTS", "BOUNDARY_IN", "BOUNDARY_OUT", "RELEASES", "prologue", "shared", "received",
+    "PROGRAM", "BUCKETS", "SEGMENTS", "BOUNDARY_IN", "BOUNDARY_OUT", "RELEASES", "prologue", "shared", "received",
 })
 RESERVED = frozenset(keyword.kwlist) | frozenset(keyword.softkwlist) | frozenset(dir(builtins)) | MODULE_NAMES
 _RECOMPUTE_FUNCTION = re.compile(r"recompute_\d+|stage\d+_microbatch\d+")

@@ -1,4 +1,4 @@
-"""Code generation of a rank's segments: one function per segment, run in the order of ``SCHEDULE``.
+"""Code generation of a rank's segments: one function per segment, run in the order of ``PROGRAM``.
 
 A plan that is not pipelined has one segment (``ir.op.WHOLE_STEP``) and no prologue.
 
@@ -8,8 +8,9 @@ segment; left out when there are none) and one function per segment ``(stage, mi
 computed (``shared``) and the boundary tensors other segments sent it (``received``, by message
 tag); it returns the boundary tensors it sends (by tag), its graph outputs and the token of its
 own communication chain. Communication *inside* a segment (tensor-parallel peers of the same
-stage) stays inline; communication *between* segments is the runtime's (``runtime.pipeline``):
-``BOUNDARY_IN`` and ``BOUNDARY_OUT`` list each segment's messages, in the order they are posted;
+stage) stays inline; communication *between* segments is the runtime's (``runtime.pipeline``, at the
+program's ``RECV_F``/``SEND_F``/``RECV_B``/``SEND_B`` actions): ``BOUNDARY_IN`` and ``BOUNDARY_OUT`` list
+each segment's messages, in the order they are posted to each peer;
 ``RELEASES`` (pipelined programs) which sent messages the receipt of a message proves taken
 (``materialize.releases``), so the runtime drops their copies then instead of at the step's end.
 """
@@ -50,10 +51,9 @@ def segments_of(program: RankProgram) -> dict[Segment, RankProgram]:
 
 
 def emit_segments(
-    rank_program: RankProgram, schedule: list[str], body: Callable[[RankProgram, set[str]], list[str]],
-    releases: dict[Message, list[Message]] | None = None,
+    rank_program: RankProgram, body: Callable[[RankProgram, set[str]], list[str]], releases: dict[Message, list[Message]] | None = None,
 ) -> list[str]:
-    """The step part of a rank's module: ``SCHEDULE``, the boundary tables, the prologue and the segment functions.
+    """The segment part of a rank's module: the boundary tables, the prologue and the segment functions.
 
     ``releases`` (pipelined programs, ``materialize.releases.pipeline_releases``): the rank's ``RELEASES`` table.
 
@@ -64,7 +64,7 @@ def emit_segments(
     segments = segments_of(rank_program)
     held = {local.var: local for local in rank_program.inputs}
     prologue_vars = {var for action in segments[PROLOGUE].actions for var in writes(action)}
-    lines = [f"SCHEDULE = {schedule!r}  # this rank's segments: F forward, B backward, W weight gradients (stage, kind, microbatch)"]
+    lines: list[str] = []
     received = {
         segment: [action for action in part.actions if isinstance(action, Recv) and action.boundary] for segment, part in segments.items()
     }

@@ -14,20 +14,18 @@ from typing import Any, overload
 from lightning_nnscaler.codegen.emit import emit_rank
 from lightning_nnscaler.materialize.program import Program
 from lightning_nnscaler.materialize.releases import rank_releases
+from lightning_nnscaler.program import Program as StepProgram
 
 
 class RankSources(Sequence[str]):
     """Rank ``r``'s module source as ``sources[r]``, generated on first access (see the module docstring)."""
 
-    def __init__(
-        self, program: Program, plan_hash: str, label: str, zero_stage: int = 0, schedules: Sequence[Sequence[str] | None] | None = None,
-    ) -> None:
-        """``plan_hash``: the hash the headers quote; ``schedules``: each rank's actions (``"0F1"``) of a pipelined plan."""
+    def __init__(self, program: Program, steps: StepProgram, plan_hash: str, label: str) -> None:
+        """``steps``: the step's program (each rank's actions and buckets); ``plan_hash``: the hash the headers quote."""
         self.program = program
+        self.steps = steps
         self.plan_hash = plan_hash
         self.label = label
-        self.zero_stage = zero_stage
-        self.schedules = schedules
         self._sources: dict[int, str] = {}
 
     def __len__(self) -> int:
@@ -69,6 +67,5 @@ class RankSources(Sequence[str]):
         return sorted(self._sources)
 
     def _emit(self, rank: int) -> str:
-        schedule = self.schedules[rank] if self.schedules is not None else None
-        releases = rank_releases(self.program, self.schedules, rank) if schedule is not None else None
-        return emit_rank(self.program, rank, self.plan_hash, self.label, self.zero_stage, schedule, releases)
+        releases = rank_releases(self.program, self.steps, rank) if self.program.pipelined else None
+        return emit_rank(self.program, rank, self.plan_hash, self.label, self.steps.zero_stage, self.steps.actions[rank], self.steps.buckets[rank], releases)

@@ -38,6 +38,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+from lightning_nnscaler.ir.errors import NnScalerError
 
 META = torch.device("meta")
 _PACKAGE_DIRECTORY = str(Path(__file__).resolve().parent)
@@ -45,7 +46,7 @@ _TORCH_DIRECTORY = str(Path(torch.__file__).resolve().parent)
 _TENSOR_PRINTING = str(Path(torch.__file__).resolve().parent / "_tensor_str.py")
 
 
-class DeferredInitError(RuntimeError):
+class DeferredInitError(NnScalerError, RuntimeError):
     """An initialization that deferred init cannot replay exactly; the message names the tensor, the op and the fix."""
 
 

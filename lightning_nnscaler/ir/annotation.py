@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from lightning_nnscaler.ir.errors import NnScalerError
 
 _TOKEN = re.compile(r"\(|\)|[A-Za-z_][A-Za-z0-9_']*[+^]?|\d+")
 
 
-class AnnotationError(ValueError):
+class AnnotationError(NnScalerError, ValueError):
     """An annotation does not parse, or does not fit the shapes it is applied to."""
 
 

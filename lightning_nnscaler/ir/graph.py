@@ -6,11 +6,12 @@ import copy
 
 import torch
 
+from lightning_nnscaler.ir.errors import NnScalerError
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.tensor import PTensor
 
 
-class GraphError(ValueError):
+class GraphError(NnScalerError, ValueError):
     """A lookup or edit of the graph that does not fit it."""
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from lightning_nnscaler.ir.errors import NnScalerError
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir import randomness  # noqa: F401 - registers the random ops (torch.ops.lnn.random*)
 from lightning_nnscaler.ir.op import Op, resolve_target
@@ -22,7 +23,7 @@ from lightning_nnscaler.ir.tensor import VTensor, covers_exactly
 Pieces = dict[str, list[tuple[VTensor, torch.Tensor]]]
 
 
-class InterpretError(RuntimeError):
+class InterpretError(NnScalerError, RuntimeError):
     """The graph cannot be executed as planned (a piece is missing, or an op's result has the wrong shape)."""
 
 

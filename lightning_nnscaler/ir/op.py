@@ -22,9 +22,6 @@ PROLOGUE = (-1, 0)
 WHOLE_STEP = (0, 0)
 """The one segment of a plan that is not pipelined: one stage, one microbatch (its ops carry no segment)."""
 
-WHOLE_STEP_SCHEDULE = ["0F0", "0B0"]
-"""The schedule of a plan that is not pipelined: its one segment's forward, then its backward."""
-
 
 @dataclass(frozen=True, eq=False)
 class Op:

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from lightning_nnscaler.ir.errors import NnScalerError
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import Argument, Op
 from lightning_nnscaler.ir.tensor import TENSOR_ROLES, IndexMask, PTensor, ValueMask, VTensor
@@ -31,7 +32,7 @@ _OP_LINE = re.compile(rf"^op ({_NAME})(?: @(\d+))?( nograd)?(?: from ({_NAME}))?
 _REFERENCE = re.compile(rf"%({_NAME})(\[[\d:, ]*\])?(\{{\d+/\d+\}})?")
 
 
-class IRParseError(ValueError):
+class IRParseError(NnScalerError, ValueError):
     """The text is not a graph's text form."""
 
 

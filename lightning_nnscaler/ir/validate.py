@@ -15,6 +15,7 @@ import bisect
 import heapq
 from collections import defaultdict
 
+from lightning_nnscaler.ir.errors import NnScalerError
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.tensor import IndexMask
@@ -29,7 +30,7 @@ _DEADLOCK_FIXES = {
 }
 
 
-class PlanError(ValueError):
+class PlanError(NnScalerError, ValueError):
     """A plan that cannot run as it stands."""
 
 
@@ -50,15 +51,16 @@ class UnknownOpError(PlanError):
 
 
 class DeadlockError(PlanError):
-    """The ops wait on each other in a cycle.
+    """The plan would hang: its ops wait on each other in a cycle, or (simulated) its ranks' lists cannot all finish.
 
     Attributes:
-        cycle: Op names along the cycle, first name repeated last: ``["a", "b", "a"]``.
+        cycle: Op names along the cycle, first name repeated last: ``["a", "b", "a"]``; empty when the simulator
+            found the ranks stuck (the message names each stuck rank's task).
     """
 
-    def __init__(self, message: str, cycle: list[str]) -> None:
+    def __init__(self, message: str, cycle: list[str] | None = None) -> None:
         super().__init__(message)
-        self.cycle = cycle
+        self.cycle = cycle or []
 
 
 def data_dependencies(graph: Graph) -> dict[str, list[str]]:

@@ -22,6 +22,7 @@ import itertools
 import math
 from collections import defaultdict
 
+from lightning_nnscaler.ir.errors import NnScalerError
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.tensor import DTYPE_BYTES, IndexMask, PTensor, ValueMask, VTensor, covers_exactly
 from lightning_nnscaler.ir.validate import validate_plan
@@ -39,7 +40,7 @@ from lightning_nnscaler.materialize.written import Written, WrittenPieces
 PieceKey = tuple[Segment, str, IndexMask, object]
 
 
-class MaterializeError(ValueError):
+class MaterializeError(NnScalerError, ValueError):
     """A piece cannot be assembled from what the plan produces; names the op and the tensor."""
 
 

@@ -8,20 +8,19 @@ rank's messages in the order the runtime posts them, ``send_releases`` finds, fo
 the first such answer; the receiver of that answer releases the sent message right after receiving it.
 Messages no answer follows (the last gradients of a step) are released when the step waits for its sends.
 
-``boundary_messages`` lists a pipelined program's boundary messages in ``runtime.pipeline``'s order: per
-``F(s, m)`` the segment's inputs received, then its outputs sent; per ``B`` the gradients of its outputs
-received, then the gradients of its inputs sent (a gradient message: ``gradient=True``).
+``boundary_messages`` lists a pipelined program's boundary messages in the order the step's ``program.Program``
+posts them (``runtime.pipeline`` runs it): per ``RECV_F`` from a peer, the segment's inputs from that peer;
+per ``SEND_F`` its outputs to it; per ``RECV_B`` the gradients of its outputs to that peer, per ``SEND_B`` the
+gradients of its inputs from it (a gradient message: ``gradient=True``), each in the segment's table order.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Hashable, NamedTuple
 
 from lightning_nnscaler.materialize.program import Program, RankProgram, Recv, Send
-
-_ACTION = re.compile(r"(\d+)([FBW])(\d+)")
+from lightning_nnscaler.program import Action, ActionKind, Program as StepProgram
 
 
 class Posted(NamedTuple):
@@ -68,13 +67,12 @@ def releases_of(rank: int, sequences: Mapping[int, Sequence[Posted]] | Sequence[
     return releases
 
 
-def boundary_messages(program: Program, schedules: Sequence[Sequence[str]]) -> list[list[Posted]]:
-    """Each rank's boundary messages (``Message`` keys) in the order ``runtime.pipeline`` posts them under ``schedules``
-    (each rank's actions as ``"0F1"`` strings)."""
-    return [rank_boundary_messages(rank_program, schedule) for rank_program, schedule in zip(program.ranks, schedules, strict=True)]
+def boundary_messages(program: Program, steps: StepProgram) -> list[list[Posted]]:
+    """Each rank's boundary messages (``Message`` keys) in the order its actions in ``steps`` post them."""
+    return [rank_boundary_messages(rank_program, steps.actions[rank_program.rank]) for rank_program in program.ranks]
 
 
-def rank_boundary_messages(rank_program: RankProgram, schedule: Sequence[str]) -> list[Posted]:
+def rank_boundary_messages(rank_program: RankProgram, actions: Sequence[Action]) -> list[Posted]:
     """One rank's part of ``boundary_messages``."""
     rank = rank_program.rank
     inputs: dict[object, list[Recv]] = {}
@@ -85,28 +83,30 @@ def rank_boundary_messages(rank_program: RankProgram, schedule: Sequence[str]) -
         elif isinstance(action, Send) and action.boundary and action.dst != rank:
             outputs.setdefault(action.segment, []).append(action)
     posts: list[Posted] = []
-    for text in schedule:
-        stage, kind, microbatch = _ACTION.fullmatch(text).groups()
-        segment = (int(stage), int(microbatch))
-        received, sent = inputs.get(segment, []), outputs.get(segment, [])
-        if kind == "F":
-            posts += [Posted("recv", message.src, Message(message.src, rank, message.tag, False)) for message in received]
-            posts += [Posted("send", message.dst, Message(rank, message.dst, message.tag, False)) for message in sent]
-        elif kind == "B":
-            posts += [Posted("recv", message.dst, Message(message.dst, rank, message.tag, True)) for message in sent if message.gradient]
-            posts += [Posted("send", message.src, Message(rank, message.src, message.tag, True)) for message in received if message.gradient]
+    for action in actions:
+        segment, peer = (action.stage, action.microbatch), action.peer
+        if action.kind is ActionKind.RECV_F:
+            posts += [Posted("recv", peer, Message(peer, rank, message.tag, False)) for message in inputs.get(segment, []) if message.src == peer]
+        elif action.kind is ActionKind.SEND_F:
+            posts += [Posted("send", peer, Message(rank, peer, message.tag, False)) for message in outputs.get(segment, []) if message.dst == peer]
+        elif action.kind is ActionKind.RECV_B:
+            posts += [Posted("recv", peer, Message(peer, rank, message.tag, True)) for message in outputs.get(segment, [])
+                      if message.dst == peer and message.gradient]
+        elif action.kind is ActionKind.SEND_B:
+            posts += [Posted("send", peer, Message(rank, peer, message.tag, True)) for message in inputs.get(segment, [])
+                      if message.src == peer and message.gradient]
     return posts
 
 
-def pipeline_releases(program: Program, schedules: Sequence[Sequence[str]]) -> list[dict[Message, list[Message]]]:
+def pipeline_releases(program: Program, steps: StepProgram) -> list[dict[Message, list[Message]]]:
     """Per rank of a pipelined ``program``: which of its sent boundary messages each received one releases."""
-    return send_releases(boundary_messages(program, schedules))
+    return send_releases(boundary_messages(program, steps))
 
 
-def rank_releases(program: Program, schedules: Sequence[Sequence[str]], rank: int) -> dict[Message, list[Message]]:
+def rank_releases(program: Program, steps: StepProgram, rank: int) -> dict[Message, list[Message]]:
     """Rank ``rank``'s part of ``pipeline_releases``, from its own messages and those of the peers it sends to."""
-    own = rank_boundary_messages(program.ranks[rank], schedules[rank])
+    own = rank_boundary_messages(program.ranks[rank], steps.actions[rank])
     sequences = {rank: own}
     for peer in sorted({post.peer for post in own if post.kind == "send"} - {rank}):
-        sequences[peer] = rank_boundary_messages(program.ranks[peer], schedules[peer])
+        sequences[peer] = rank_boundary_messages(program.ranks[peer], steps.actions[peer])
     return releases_of(rank, sequences)

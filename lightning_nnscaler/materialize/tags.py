@@ -13,12 +13,13 @@ by one replica. Tags stay below ``TAG_LIMIT``, where the runtime starts the tags
 """
 
 from __future__ import annotations
+from lightning_nnscaler.ir.errors import NnScalerError
 
 TAG_LIMIT = 1 << 20
 """Forward tags stay below this (``runtime.autograd_comm.BACKWARD_TAG_OFFSET``: a gradient goes back with tag + it)."""
 
 
-class TagLimitError(ValueError):
+class TagLimitError(NnScalerError, ValueError):
     """A channel carries more messages than its tags can number below ``TAG_LIMIT``."""
 
 

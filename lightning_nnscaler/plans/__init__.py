@@ -1,7 +1,8 @@
 """Parallelization recipes: short functions over a graph that call only op_trans, op_assign, op_order.
 
-Each recipe is ``recipe(graph, ctx, *, params) -> None`` and is catalogued in ``recipes/*.yaml``;
-``apply_recipe(graph, name, world_size, **params)`` checks the parameters, plans and validates.
+Each recipe is ``recipe(graph, ctx, config) -> None``, its parameters the fields of a frozen keyword-only
+config dataclass (``plans.parameters``), and is catalogued in ``recipes/*.yaml``;
+``apply_recipe(graph, name, world_size, **params)`` converts the parameters to the config, plans and validates.
 """
 
 from lightning_nnscaler.plans.catalog import RecipeError, RecipeSpec, apply_recipe, list_recipes, load_recipe

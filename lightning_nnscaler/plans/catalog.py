@@ -6,21 +6,19 @@ Built-in recipes are the files ``lightning_nnscaler/recipes/*.yaml`` (shipped in
     function: lightning_nnscaler.plans.coshard:coshard
     layout: lightning_nnscaler.plans.coshard:coshard_layout
     summary: One or two lines on what the plan does.
-    parameters:
-      shards:
-        doc: Pieces per device of each split.
-        minimum: 1
     constraints:
       - What the model and world_size must satisfy.
 
-A recipe's parameters are declared once, by its function's keyword-only parameters (name, type
-annotation, default); the file documents them, each by its doc or by a mapping of ``doc`` and
-``minimum`` (the least value accepted, checked with the type before anything runs: ``microbatches=0``
-is refused naming the key, never read as "the default"). ``layout`` (optional) names the function
-that says, before tracing, how many data-parallel replicas the plan has and into how many pieces it cuts
-attention heads (``plans.layout``). A user's own recipe is registered from Python with
-``register_recipe`` and is then usable everywhere a catalog name is. A recipe name is a name
-(lower-case letters, digits, ``_``), never a path.
+A recipe's parameters are declared once, by the config dataclass its function takes
+(``coshard(graph, ctx, config: CoshardConfig)``): each field's name, annotation, default, docstring
+and ``minimum`` (the least value accepted, checked with the type before anything runs:
+``microbatches=0`` is refused naming the key, never read as "the default"); see ``plans.parameters``.
+A file may still document a parameter (``parameters: {shards: {doc: ..., minimum: 1}}``), overriding
+the field's docstring and minimum; it may name no parameter the config lacks. ``layout`` (optional)
+names the function that says, before tracing, how many data-parallel replicas the plan has and into
+how many pieces it cuts attention heads (``plans.layout``). A user's own recipe is registered from
+Python with ``register_recipe`` (keyword-only parameters, or a config) and is then usable everywhere
+a catalog name is. A recipe name is a name (lower-case letters, digits, ``_``), never a path.
 """
 
 from __future__ import annotations
@@ -28,8 +26,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
-import types
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,92 +37,66 @@ from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.validate import validate_plan
 from lightning_nnscaler.plans.context import PlanContext
 from lightning_nnscaler.plans.layout import RecipeLayout, single_replica
+from lightning_nnscaler.plans.parameters import ParameterSpec, RecipeError, config_class, fields_of, parameter_specs, signature_config
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_]*")
-_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "bool": (bool,), "float": (int, float), "str": (str,)}
 _REQUIRED_KEYS = ("name", "function", "summary")
 PlanFunction = Callable[..., None]
 LayoutFunction = Callable[[int, dict[str, Any]], RecipeLayout]
 
-
-class RecipeError(ValueError):
-    """A recipe that is not in the catalog, a malformed recipe, or parameters that do not fit it."""
-
-
-@dataclass(frozen=True)
-class ParameterSpec:
-    """One keyword parameter of a recipe function."""
-
-    name: str
-    """Keyword name."""
-    type: str
-    """One of ``int``, ``bool``, ``float``, ``str`` (from the function's annotation)."""
-    doc: str
-    """What it controls."""
-    required: bool = False
-    """Whether a value must be given (no default)."""
-    default: Any = None
-    """Value when not given."""
-    nullable: bool = False
-    """Whether ``None`` is accepted (the annotation is ``T | None``, or the default is ``None``)."""
-    minimum: int | float | None = None
-    """The least value accepted (an int or float parameter), e.g. 1 for a count; None: no bound."""
-
-    def check(self, recipe: str, value: Any) -> None:
-        """Raise RecipeError unless ``value`` is of this parameter's type and at least its ``minimum``."""
-        if value is None and (self.nullable or (not self.required and self.default is None)):
-            return
-        allowed = _TYPES[self.type]
-        if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
-            raise RecipeError(
-                f"recipe {recipe!r}: parameter {self.name!r} expects {self.type}, got {type(value).__name__} {value!r}"
-            )
-        if self.minimum is not None and not value >= self.minimum:
-            none = ", or None for its default" if self.nullable or (not self.required and self.default is None) else ""
-            raise RecipeError(
-                f"recipe {recipe!r}: parameter {self.name!r} is {value!r}; it must be {self.type} >= {self.minimum}{none}"
-                + (f" ({self.name}: {self.doc})" if self.doc else "")
-            )
+__all__ = ["ParameterSpec", "RecipeError", "RecipeSpec", "apply_recipe", "list_recipes", "load_recipe", "on_register", "register_recipe"]
 
 
 @dataclass(frozen=True)
 class RecipeSpec:
-    """A recipe: its plan function, parameters, promised layout and documentation."""
+    """A recipe: its plan function, config dataclass, parameters, promised layout and documentation."""
 
     name: str
     """Catalog name."""
     function: PlanFunction
-    """``function(graph, ctx, **params)`` plans ``graph`` in place with the primitives."""
+    """``function(graph, ctx, config)`` (or ``function(graph, ctx, **fields)``) plans ``graph`` in place with the primitives."""
     summary: str
     """What the plan does, in a line or two."""
+    config: type
+    """The frozen keyword-only dataclass of the recipe's parameters (``plans.parameters``)."""
     parameters: dict[str, ParameterSpec]
-    """Keyword parameters by name, in signature order."""
+    """The config's fields by name, in field order."""
     constraints: tuple[str, ...] = ()
     """What the model and world_size must satisfy for the plan to split what it means to."""
     layout_function: LayoutFunction = single_replica
     """``layout_function(world_size, params)``: the device grid and head pieces, before tracing."""
     origin: str = "register_recipe"
     """The catalog file, or where ``register_recipe`` was called from."""
+    takes_config: bool = True
+    """Whether ``function`` takes the config itself (else each field as a keyword argument)."""
 
     def load_function(self) -> PlanFunction:
         """The plan function."""
         return self.function
 
-    def check_parameters(self, params: dict[str, Any]) -> None:
-        """Raise RecipeError naming the recipe and the key for an unknown, missing or mistyped parameter."""
+    def build_config(self, params: dict[str, Any]) -> Any:
+        """``params`` (Python values, Hydra values or command-line strings) as the recipe's config.
+
+        Raises:
+            RecipeError: naming the recipe and the key for an unknown, missing or mistyped parameter.
+        """
         expected = ", ".join(f"{spec.name} ({spec.type})" for spec in self.parameters.values()) or "none"
-        for key, value in params.items():
+        for key in params:
             if key not in self.parameters:
                 raise RecipeError(f"recipe {self.name!r}: unknown parameter {key!r}; its parameters are: {expected}")
-            self.parameters[key].check(self.name, value)
         for spec in self.parameters.values():
             if spec.required and spec.name not in params:
                 raise RecipeError(f"recipe {self.name!r}: parameter {spec.name!r} ({spec.type}) is required")
+        return self.config(**{key: self.parameters[key].convert(self.name, value) for key, value in params.items()})
+
+    def check_parameters(self, params: dict[str, Any]) -> None:
+        """Raise RecipeError naming the recipe and the key for an unknown, missing or mistyped parameter."""
+        self.build_config(params)
 
     def with_defaults(self, params: dict[str, Any]) -> dict[str, Any]:
-        """``params`` completed with the defaults of the parameters not given."""
-        return {**{key: spec.default for key, spec in self.parameters.items() if not spec.required}, **params}
+        """``params`` converted and completed with the defaults of the parameters not given."""
+        return fields_of(self.build_config(params))
 
     def layout(self, world_size: int, params: dict[str, Any]) -> RecipeLayout:
         """What the recipe promises for ``world_size`` ranks with ``params`` (checked first).
@@ -135,13 +105,19 @@ class RecipeSpec:
             RecipeError: bad parameters, or a layout whose grid is not ``world_size`` ranks.
             ValueError: the parameters do not fit ``world_size`` (the layout function's own check).
         """
-        self.check_parameters(params)
         layout = self.layout_function(world_size, self.with_defaults(params))
         if layout.grid.size != world_size:
             raise RecipeError(
                 f"recipe {self.name!r}: its layout {layout.grid} has {layout.grid.size} ranks, not world_size={world_size}"
             )
         return layout
+
+    def run(self, graph: Graph, ctx: PlanContext, config: Any) -> None:
+        """Plan ``graph`` in place with ``config`` (``build_config``)."""
+        if self.takes_config:
+            self.function(graph, ctx, config)
+        else:
+            self.function(graph, ctx, **fields_of(config))
 
 
 _REGISTRY: dict[str, RecipeSpec] = {}
@@ -161,10 +137,11 @@ def register_recipe(
     (``lightning-nnscaler --import your.module recipes``) and a Hydra ``recipe.name``.
 
     Args:
-        function: ``function(graph, ctx, *, <keyword-only parameters>) -> None``, planning ``graph``
-            in place with ``op_trans`` / ``op_assign`` / ``op_order``. Its keyword-only parameters
-            (annotated ``int``, ``bool``, ``float``, ``str``, optionally ``| None``) are the
-            recipe's parameters.
+        function: ``function(graph, ctx, *, <keyword-only parameters>) -> None``, or
+            ``function(graph, ctx, config: <a frozen keyword-only dataclass>) -> None``, planning ``graph``
+            in place with ``op_trans`` / ``op_assign`` / ``op_order``. The keyword-only parameters, or the
+            dataclass's fields (annotated ``int``, ``bool``, ``float``, ``str``, ``tuple[int, ...]`` or
+            ``tuple[str, ...]``, optionally ``| None``), are the recipe's parameters (``plans.parameters``).
         name: Catalog name (default: the function's name): lower-case letters, digits and ``_``.
         summary: One line on what the plan does (default: the docstring's first line).
         parameter_docs: What each parameter controls.
@@ -191,10 +168,9 @@ def register_recipe(
                 + ("" if taken.origin != "register_recipe" else " or pass replace=True")
             )
         doc_line = (inspect.getdoc(plan_function) or "").strip().splitlines()
-        spec = RecipeSpec(
+        spec = _spec(
             recipe_name, plan_function, summary or (doc_line[0] if doc_line else recipe_name),
-            _parameters(recipe_name, plan_function, _entries(parameter_docs or {}, parameter_minimums or {}), require_docs=False),
-            tuple(constraints), layout or single_replica, "register_recipe",
+            _entries(parameter_docs or {}, parameter_minimums or {}), tuple(constraints), layout or single_replica, "register_recipe",
         )
         _add(spec)
         return plan_function
@@ -254,22 +230,14 @@ def apply_recipe(graph: Graph, name: str, world_size: int, **params: Any) -> Pla
         PlanError: the plan does not validate (``validate_plan``).
     """
     spec = load_recipe(name)
+    config = spec.build_config(params)  # user input becomes the typed config here, and only here
     layout = spec.layout(world_size, params)
     ctx = PlanContext(world_size=world_size, layout=layout)
     plan = graph.copy()
-    spec.function(plan, ctx, **params)
+    spec.run(plan, ctx, config)
     validate_plan(plan, world_size)
     graph.take_contents(plan)
     return ctx
-
-
-def keyword_parameters(function: Callable[..., None]) -> dict[str, inspect.Parameter]:
-    """The keyword-only parameters of a plan function (the recipe's parameters)."""
-    return {
-        name: parameter
-        for name, parameter in inspect.signature(function).parameters.items()
-        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-    }
 
 
 def _check_name(name: Any) -> None:
@@ -300,47 +268,17 @@ def _entries(docs: dict[str, str], minimums: dict[str, float]) -> dict[str, dict
     return {key: {"doc": docs.get(key, ""), **({"minimum": minimums[key]} if key in minimums else {})} for key in {**docs, **minimums}}
 
 
-def _parameters(recipe: str, function: PlanFunction, entries: dict[str, dict[str, Any]], *, require_docs: bool) -> dict[str, ParameterSpec]:
-    """The recipe's parameters from ``function``'s keyword-only parameters, documented by ``entries``
-    (each a ``doc`` and, optionally, the ``minimum`` value accepted)."""
-    keywords = keyword_parameters(function)
-    docs = {key: entry.get("doc") for key, entry in entries.items()}
-    unknown = sorted(set(docs) - set(keywords))
-    if unknown:
-        raise RecipeError(f"recipe {recipe!r}: documents parameter(s) {', '.join(unknown)} that {function.__qualname__} does not take")
-    try:
-        hints = typing.get_type_hints(function)
-    except Exception as error:  # noqa: BLE001 - an unresolvable annotation is the author's to fix
-        raise RecipeError(f"recipe {recipe!r}: cannot read the annotations of {function.__qualname__}: {error}") from error
-    specs = {}
-    for key, parameter in keywords.items():
-        if require_docs and not docs.get(key):
-            raise RecipeError(f"recipe {recipe!r}: parameter {key!r} of {function.__qualname__} has no doc in the catalog file")
-        type_name, nullable = _type_of(recipe, key, hints.get(key))
-        required = parameter.default is inspect.Parameter.empty
-        minimum = entries.get(key, {}).get("minimum")
-        if minimum is not None and type_name not in ("int", "float"):
-            raise RecipeError(f"recipe {recipe!r}: parameter {key!r} is {type_name}, so it cannot have a minimum ({minimum!r})")
-        spec = ParameterSpec(
-            key, type_name, " ".join(str(docs.get(key) or "").split()), required, None if required else parameter.default, nullable, minimum,
-        )
-        if not required:
-            spec.check(recipe, spec.default)
-        specs[key] = spec
-    return specs
-
-
-def _type_of(recipe: str, key: str, hint: Any) -> tuple[str, bool]:
-    """``(type name, accepts None)`` of an annotation such as ``int`` or ``int | None``."""
-    arguments = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    nullable = type(None) in arguments
-    concrete = [argument for argument in arguments if argument is not type(None)]
-    names = {int: "int", bool: "bool", float: "float", str: "str"}
-    if len(concrete) != 1 or concrete[0] not in names:
-        raise RecipeError(
-            f"recipe {recipe!r}: parameter {key!r} must be annotated int, bool, float or str (optionally '| None'), got {hint!r}"
-        )
-    return names[concrete[0]], nullable
+def _spec(
+    name: str, function: PlanFunction, summary: str, entries: dict[str, dict[str, Any]], constraints: tuple[str, ...],
+    layout: LayoutFunction, origin: str,
+) -> RecipeSpec:
+    """A recipe's spec: its config is the dataclass ``function`` takes, or one made from its keyword-only parameters."""
+    config = config_class(function)
+    takes_config = config is not None
+    if config is None:
+        config = signature_config(name, function)
+    parameters = parameter_specs(name, config, entries)
+    return RecipeSpec(name, function, summary, config, parameters, constraints, layout, origin, takes_config)
 
 
 def _import(path: Path, reference: Any, key: str) -> Any:
@@ -379,5 +317,11 @@ def _read(path: Path) -> RecipeSpec:
     function = _import(path, data["function"], "function")
     layout = _import(path, data["layout"], "layout") if data.get("layout") else single_replica
     summary = " ".join(str(data["summary"]).split())
-    parameters = _parameters(data["name"], function, entries, require_docs=True)
-    return RecipeSpec(data["name"], function, summary, parameters, tuple(data.get("constraints") or ()), layout, str(path))
+    spec = _spec(data["name"], function, summary, entries, tuple(data.get("constraints") or ()), layout, str(path))
+    undocumented = [key for key, parameter in spec.parameters.items() if not parameter.doc]
+    if undocumented:
+        raise RecipeError(
+            f"recipe file {path}: parameter(s) {', '.join(undocumented)} of {spec.config.__qualname__} have no doc: "
+            "give each field a docstring (or the file a doc for it)"
+        )
+    return spec

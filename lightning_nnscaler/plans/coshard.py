@@ -3,6 +3,7 @@ shard at a time, each shard recomputed in backward, so only one shard's activati
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_nnscaler.ir.graph import Graph
@@ -13,7 +14,17 @@ from lightning_nnscaler.plans.propagate import place
 from lightning_nnscaler.plans.recompute import op_recompute
 
 
-def coshard(graph: Graph, ctx: PlanContext, *, shards: int = 4, recompute: bool = True) -> None:
+@dataclass(frozen=True, kw_only=True)
+class CoshardConfig:
+    """The co-shard recipe's parameters."""
+
+    shards: int = field(default=4, metadata={"minimum": 1})
+    """Pieces of each split per device (4: a quarter of the activations alive, nnScaler's example)."""
+    recompute: bool = True
+    """Give each (split stretch, device, shard) its own activation-recompute group (without it, co-shard saves no memory)."""
+
+
+def coshard(graph: Graph, ctx: PlanContext, config: CoshardConfig) -> None:
     """Megatron splits (attention heads, FFN hidden) into ``shards × world_size`` pieces,
     ``shards`` consecutive pieces per device.
 
@@ -21,12 +32,12 @@ def coshard(graph: Graph, ctx: PlanContext, *, shards: int = 4, recompute: bool 
     recompute group: group ``stretch * pieces + piece`` — distinct per (device, shard) — so a
     device keeps no shard's activations after forward and recomputes them one shard at a time.
     """
-    if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
-        raise ValueError(f"coshard: shards must be a positive int, got {shards!r}")
-    parts = shards * ctx.world_size
+    if not isinstance(config.shards, int) or isinstance(config.shards, bool) or config.shards < 1:
+        raise ValueError(f"coshard: shards must be a positive int, got {config.shards!r}")
+    parts = config.shards * ctx.world_size
     walk = tensor_parallel(graph, parts)
     place(graph, walk, range(ctx.world_size))  # piece j -> device j // shards
-    if recompute:
+    if config.recompute:
         for stretch, run in enumerate(walk.runs()):
             for pieces in run:
                 for index, piece in enumerate(pieces):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_nnscaler.ir.graph import Graph
@@ -12,12 +13,23 @@ from lightning_nnscaler.plans.megatron_tp import megatron_choice, tensor_paralle
 from lightning_nnscaler.plans.propagate import place
 
 
-def hybrid(graph: Graph, ctx: PlanContext, *, dp: int, tp: int) -> None:
+@dataclass(frozen=True, kw_only=True)
+class HybridConfig:
+    """The hybrid recipe's parameters; both required (their product is the world size)."""
+
+    dp: int = field(metadata={"minimum": 1})
+    """Data-parallel replicas (batch slices)."""
+    tp: int = field(metadata={"minimum": 1})
+    """Tensor-parallel devices per replica."""
+
+
+def hybrid(graph: Graph, ctx: PlanContext, config: HybridConfig) -> None:
     """Split the batch into ``dp`` replicas, then each replica's ops Megatron-style into ``tp`` pieces.
 
     Devices form a ``dp × tp`` grid: piece ``t`` of replica ``r`` runs on device ``r * tp + t``, so
     each tensor-parallel group is ``tp`` consecutive ranks (the fast links inside a node).
     """
+    dp, tp = config.dp, config.tp
     if dp < 1 or tp < 1 or dp * tp != ctx.world_size:
         raise ValueError(f"hybrid: dp ({dp}) × tp ({tp}) = {dp * tp} must equal world_size ({ctx.world_size})")
     choose = megatron_choice(graph)  # on the whole graph, before the batch split renames its ops

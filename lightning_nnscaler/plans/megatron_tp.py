@@ -17,9 +17,9 @@ needs (4 heads into 3, an FFN of 128 into 3), the op is left whole and the walk 
 
 from __future__ import annotations
 
-from typing import Any
-
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import Op
@@ -40,19 +40,28 @@ def is_linear(op: Op) -> bool:
     return op.target == ADDMM and len(op.tensor_inputs) == 3 and op.tensor_inputs[2].tensor.role == "parameter"
 
 
-def tp(graph: Graph, ctx: PlanContext, *, degree: int | None = None) -> None:
+@dataclass(frozen=True, kw_only=True)
+class TensorParallelConfig:
+    """The tp recipe's parameters."""
+
+    degree: int | None = field(default=None, metadata={"minimum": 1})
+    """Devices per tensor-parallel group; null means world_size. A smaller degree makes world_size / degree
+    data-parallel replicas of the group (as hybrid does)."""
+
+
+def tp(graph: Graph, ctx: PlanContext, config: TensorParallelConfig) -> None:
     """Megatron tensor parallelism over ``degree`` devices (default: all of them).
 
     A ``degree`` below ``world_size`` makes ``world_size // degree`` data-parallel replicas of the
     tensor-parallel group: the same plan as ``hybrid(dp=world_size // degree, tp=degree)``.
     """
-    degree = ctx.world_size if degree is None else degree
+    degree = ctx.world_size if config.degree is None else config.degree
     if not isinstance(degree, int) or degree < 1 or ctx.world_size % degree:
         raise ValueError(f"tp: degree ({degree!r}) must be a positive divisor of world_size ({ctx.world_size})")
     if degree < ctx.world_size:
-        from lightning_nnscaler.plans.hybrid import hybrid  # hybrid imports this module
+        from lightning_nnscaler.plans.hybrid import HybridConfig, hybrid  # hybrid imports this module
 
-        hybrid(graph, ctx, dp=ctx.world_size // degree, tp=degree)
+        hybrid(graph, ctx, HybridConfig(dp=ctx.world_size // degree, tp=degree))
         return
     place(graph, tensor_parallel(graph, degree, share_kv_heads=True), range(degree))
 

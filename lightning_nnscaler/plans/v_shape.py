@@ -1,18 +1,42 @@
 """The V-shaped pipelines as catalog recipes: ZB-V and V-Half (Qi et al. 2024, "Pipeline Parallelism with
-Controllable Memory"). Rank ``r`` of ``p`` holds stages ``r`` and ``2p - 1 - r`` (``schedules.v_shape``)."""
+Controllable Memory"), and DualPipeV (DeepSeek-V3's DualPipe on one model copy, ``schedules.dual_pipe``).
+Rank ``r`` of ``p`` holds stages ``r`` and ``2p - 1 - r`` (``schedules.v_shape``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.plans.context import PlanContext
-from lightning_nnscaler.plans.pipeline import layer_counts, pipeline
+from lightning_nnscaler.plans.parameters import fields_of
+from lightning_nnscaler.plans.pipeline import PipelineSettings, pipeline
+from lightning_nnscaler.plans.pipeline_recipes import COUNT, STAGE_INDEX
 
 
-def zbv_plan(graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None, layers_per_stage: str | None = None) -> None:
+@dataclass(frozen=True, kw_only=True)
+class VShapeConfig:
+    """zbv, vhalf and dualpipev: two model stages per rank."""
+
+    stages: int | None = field(default=None, metadata=COUNT)
+    """Pipeline ranks per data-parallel replica (each holds two model stages); null means world_size (one replica)."""
+    microbatches: int | None = field(default=None, metadata=COUNT)
+    """Microbatches per replica and step; null means the smallest divisor of the replica's batch that is at least
+    what the schedule needs (stages; 2 x stages for dualpipev, one per model stage)."""
+    layers_per_stage: tuple[int, ...] | None = field(default=None, metadata=STAGE_INDEX)
+    """Layer counts, one per model stage (2 per rank, in stage order 0 .. 2p-1), e.g. 2,2,2,2; a layer is a
+    numbered module (blocks.3); embeddings join the first stage, heads the last; null cuts by cost."""
+
+
+def zbv_plan(graph: Graph, ctx: PlanContext, config: VShapeConfig) -> None:
     """ZB-V: zero bubble at 1F1B's activation memory; backward split into input (I) and weight (W) gradients."""
-    pipeline(graph, ctx, schedule="zbv", stages=stages, microbatches=microbatches, layers_per_stage=layer_counts(layers_per_stage))
+    pipeline(graph, ctx, "zbv", PipelineSettings(**fields_of(config)))
 
 
-def vhalf_plan(graph: Graph, ctx: PlanContext, *, stages: int | None = None, microbatches: int | None = None, layers_per_stage: str | None = None) -> None:
+def vhalf_plan(graph: Graph, ctx: PlanContext, config: VShapeConfig) -> None:
     """V-Half: about half of 1F1B's activation memory, for a small bubble."""
-    pipeline(graph, ctx, schedule="vhalf", stages=stages, microbatches=microbatches, layers_per_stage=layer_counts(layers_per_stage))
+    pipeline(graph, ctx, "vhalf", PipelineSettings(**fields_of(config)))
+
+
+def dualpipev_plan(graph: Graph, ctx: PlanContext, config: VShapeConfig) -> None:
+    """DualPipeV: DeepSeek-V3's overlapped forward/backward pairs in the V; needs at least 2 microbatches per rank."""
+    pipeline(graph, ctx, "dualpipev", PipelineSettings(**fields_of(config)))

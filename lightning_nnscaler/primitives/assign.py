@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from lightning_nnscaler.ir.errors import NnScalerError
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import Op
 
 
-class AssignError(ValueError):
+class AssignError(NnScalerError, ValueError):
     """A placement that cannot be right."""
 
 

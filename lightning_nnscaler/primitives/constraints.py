@@ -5,11 +5,12 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
+from lightning_nnscaler.ir.errors import NnScalerError
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import Op
 
 
-class ConstraintError(ValueError):
+class ConstraintError(NnScalerError, ValueError):
     """A plan breaks a constraint; the message names the op and the rule."""
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+from lightning_nnscaler.ir.errors import NnScalerError
 from lightning_nnscaler.ir.rules import rule_for
 from lightning_nnscaler.ir.annotation import AnnotationError, DimAnnotation
 from lightning_nnscaler.ir.graph import Graph
@@ -11,7 +12,7 @@ from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.tensor import VTensor
 
 
-class TransformError(ValueError):
+class TransformError(NnScalerError, ValueError):
     """A partition that the op's annotation does not allow."""
 
 

@@ -38,10 +38,11 @@ from typing import Callable, Iterable, Protocol, Sequence, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from lightning_nnscaler.ir.errors import NnScalerError
 from lightning_nnscaler.runtime.groups import GroupCache, MissingGroupError
 
 
-class CommunicationError(RuntimeError):
+class CommunicationError(NnScalerError, RuntimeError):
     """A communication failed or did not complete within the timeout; the message names op, peer and tag."""
 
 

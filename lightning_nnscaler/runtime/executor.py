@@ -17,7 +17,8 @@ import torch
 from lightning_nnscaler.ir.box import Box, PieceLocation, full_box, region
 from lightning_nnscaler.ir.randomness import RandomStream, set_stream
 from lightning_nnscaler.runtime.comm import AsyncHandle, Communicator
-from lightning_nnscaler.runtime.pipeline import PipelineRun
+from lightning_nnscaler.program import ActionKind
+from lightning_nnscaler.runtime.pipeline import PipelineRun, StepHandlers, module_actions
 from lightning_nnscaler.runtime.reducer import GradientReducer
 
 
@@ -41,7 +42,7 @@ class Piece:
 
 
 class RankExecutor:
-    """Holds rank ``rank``'s parameter and buffer boxes and runs its module's ``SCHEDULE`` (``runtime.pipeline``).
+    """Holds rank ``rank``'s parameter and buffer boxes and runs its module's ``PROGRAM`` (``runtime.pipeline``).
 
     Args:
         module: The rank's generated module (see ``codegen.emit``).
@@ -52,7 +53,6 @@ class RankExecutor:
         device: Where the pieces live.
         input_offsets: Per batch input, the row of the whole batch where the inputs this rank is
             given start (its data-parallel replica's share); 0 when it is given the whole batch.
-        bucket_bytes: The size at which the reducer cuts its gradient buckets (None: ``reducer.BUCKET_BYTES``).
         share_parameters: A trainable parameter of ``state`` this rank holds whole, on ``device``, is
             held as that very tensor instead of a copy (no second copy of the weights; the
             optimizer steps the model's own parameters). Only for one executor per process over
@@ -71,7 +71,6 @@ class RankExecutor:
         communicator: Communicator,
         device: torch.device | str = "cpu",
         input_offsets: dict[str, int] | None = None,
-        bucket_bytes: int | None = None,
         share_parameters: bool = False,
         materialize: Callable[[PieceLocation, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
@@ -83,7 +82,7 @@ class RankExecutor:
         self.rank = rank
         self.communicator = communicator
         self.trace_actions = False
-        """Record ``(action, start, end)`` of each action run in ``executed_actions``."""
+        """Time each action run (``executed_actions`` holds the times, else zeros)."""
         self.values: dict[str, torch.Tensor] = {}
         """The last step's ``VALUES`` (graph outputs besides the loss, e.g. logged values), whole, summed over the ranks (float64)."""
         self.executed_actions: list[tuple[str, float, float]] = []
@@ -101,7 +100,7 @@ class RankExecutor:
         self._load(module, constants, input_offsets, piece_of)
         by_location = {shard.location: shard.tensor for shard in self.shards.values()}
         replicated = [(by_location[PieceLocation(key, box)], ranks) for key, box, ranks in module.GRADIENT_GROUPS]
-        self.reducer = GradientReducer(replicated, communicator, rank, getattr(module, "ZERO_STAGE", 0), bucket_bytes)
+        self.reducer = GradientReducer(replicated, communicator, rank, module.ZERO_STAGE, buckets=[list(bucket) for bucket in module.BUCKETS])
 
     def _load(
         self, module: ModuleType, constants: dict[str, torch.Tensor], input_offsets: dict[str, int] | None,
@@ -109,6 +108,7 @@ class RankExecutor:
     ) -> None:
         """Take ``module``'s table of held inputs: batch boxes, constants, and parameter/buffer pieces from ``piece_of``."""
         self.module = module
+        self.actions = module_actions(module)
         module.DEVICE = self.device
         self.communicator.create_groups(module.GROUPS)
         self.held: dict[str, torch.Tensor] = {}
@@ -176,8 +176,16 @@ class RankExecutor:
         return pieces
 
     def after_optimizer_step(self) -> None:
-        """Call after ``optimizer.step()``: ZeRO gathers or releases the updated boxes."""
-        self.reducer.after_optimizer_step()
+        """Call after ``optimizer.step()``: the program's actions after ``STEP`` (ZeRO-1 gathers the updated boxes,
+        ZeRO-3 frees them), recorded after ``STEP`` in ``executed_actions``."""
+        step = next((index for index, action in enumerate(self.actions) if action.kind is ActionKind.STEP), len(self.actions))
+        self.executed_actions.append(("STEP", 0.0, 0.0))
+        for action in self.actions[step + 1 :]:
+            self.executed_actions.append((str(action), 0.0, 0.0))
+            if action.kind is ActionKind.GATHER:
+                self.reducer.gather_bucket(action.bucket)
+            elif action.kind is ActionKind.FREE:
+                self.reducer.release_bucket(action.bucket)
 
     def gradients(self) -> dict[str, tuple[str, Box, torch.Tensor]]:
         """This rank's summed parameter gradients by variable: (state_dict key, box, gradient)."""
@@ -204,10 +212,10 @@ class RankExecutor:
     ) -> torch.Tensor:
         """One step's forward and backward on this rank; returns the whole loss (same on every rank).
 
-        Runs the module's ``SCHEDULE`` (``runtime.pipeline``; one forward and one backward when the
-        plan is not pipelined). Gradients accumulate into the pieces' ``.grad`` as in torch. The whole
-        loss is summed over the ranks: while backward runs (an asynchronous sum started after the
-        forward, waited for at the end), or in a pipeline after its last action.
+        Runs the module's ``PROGRAM`` up to ``STEP`` (``runtime.pipeline``; the actions after it run in
+        ``after_optimizer_step``). Gradients accumulate into the pieces' ``.grad`` as in torch. The whole
+        loss is summed over the ranks at the program's ``LOSS``: while backward runs (an asynchronous sum
+        started after the forward, waited for at the end), or in a pipeline after its last action.
 
         Args:
             inputs: The batch by graph input name (the rank's replica's share, see ``input_offsets``);
@@ -222,33 +230,46 @@ class RankExecutor:
                 set for the process before the step runs (``ir.randomness``).
         """
         set_stream(random_stream)
-        if backward:
-            self.reducer.before_forward()
         held = dict(self.held)
         for var, (name, box) in self.input_boxes.items():
             held[var] = inputs[name][region(box)].to(self.device)
         parameters = [shard.tensor for shard in self.shards.values() if isinstance(shard.tensor, torch.nn.Parameter)]
-        run = PipelineRun(self.module, self.rank, self.communicator, held, parameters, self.device)
+        run = PipelineRun(self.module, self.rank, self.communicator, held, parameters, self.device, trace=self.trace_actions)
         if backward:
             self.reducer.before_backward(False)  # accumulate over the microbatches; sum during the last backward
         loss_sum: list[AsyncHandle] = []
-        # A plan that does not pipeline overlaps the loss sum with backward. A pipeline (decided for the
-        # whole plan, so every rank agrees) starts it once its messages and gradient sums are done: a
-        # collective in flight beside the stages' point-to-point messages could be ordered differently
-        # on each rank (NCCL).
-        overlapped = not self.module.PIPELINED
-        run.run(
-            backward=backward, loss_scale=loss_scale, trace=self.trace_actions,
-            after_last_forward=(lambda: loss_sum.append(self._start_loss_sum(run.seeds, run.values))) if overlapped else None,
+        settled = [False]
+
+        def start_loss_sum() -> None:
+            # A pipeline (decided for the whole plan, so every rank agrees) starts it once its messages and gradient
+            # sums are done: a collective in flight beside the stages' point-to-point messages could be ordered
+            # differently on each rank (NCCL). Other plans overlap it with backward.
+            if self.module.PIPELINED and not settled[0]:
+                self._settle(backward)
+                settled[0] = True
+            loss_sum.append(self._start_loss_sum(run.seeds, run.values))
+
+        handlers = StepHandlers(
+            loss=start_loss_sum, reduce=self.reducer.start_through, gather=self.reducer.gather_bucket, free=self.reducer.release_bucket,
             before_last_backward=(lambda: self.reducer.before_backward(reduce_gradients)) if backward else None,
         )
-        self.executed_actions = run.executed
+        self.reducer.on_bucket_started = lambda order: run.record(f"REDUCE b{order}")
+        try:
+            run.run(self.actions, backward=backward, loss_scale=loss_scale, handlers=handlers)
+        finally:
+            self.reducer.on_bucket_started = None
         if backward:
             self._write_buffers(run.buffer_values)
+        if not settled[0]:
+            self._settle(backward)
+        self.executed_actions = run.executed
+        return loss_sum[0].wait()
+
+    def _settle(self, backward: bool) -> None:
+        """Wait for the step's sends; after a backward, finish the gradient sums (``GradientReducer.after_backward``)."""
         self.communicator.wait_sends()
         if backward:
             self.reducer.after_backward()
-        return (loss_sum[0] if overlapped else self._start_loss_sum(run.seeds, run.values)).wait()
 
     def whole_buffers(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
         """A copy of each buffer of ``shapes`` (state_dict key -> its shape) that this rank holds whole."""

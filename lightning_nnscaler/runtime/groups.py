@@ -13,9 +13,10 @@ from datetime import timedelta
 from typing import Iterable, Sequence
 
 import torch.distributed as dist
+from lightning_nnscaler.ir.errors import NnScalerError
 
 
-class MissingGroupError(LookupError):
+class MissingGroupError(NnScalerError, LookupError):
     """A collective asked for a ``ranks`` tuple that ``create_groups`` was not given."""
 
 

@@ -1,48 +1,68 @@
-"""Running a rank module: its ``SCHEDULE`` of F/B/W actions over segments, in that order.
+"""Running a rank module's ``PROGRAM``: one handler per action kind, the actions in their only order.
 
 The generated module (``codegen.segments``) gives one function per segment and the boundary
-messages of each; a plan that is not pipelined has one segment, run ``["0F0", "0B0"]``. This runner:
+messages of each; ``PROGRAM`` is the rank's part of the plan's ``program.Program``. This runner runs
+``prologue`` once (no gradients; a module without one has nothing to run before its segments), then
+dispatches each action:
 
-- runs ``prologue`` once (no gradients; a module without one has nothing to run before its
-  segments), then each action of ``SCHEDULE`` in order;
-- ``F(s, m)``: receives the segment's boundary inputs (from itself when the producing segment is
-  on this rank), makes each one whose gradient goes back a leaf that requires grad — so the
-  segment's backward stops at its own inputs —, runs the segment function with a fresh token and
-  sends (asynchronously) the boundary tensors it returns; what backward needs stays stashed under
-  ``(s, m)``. A segment the schedule never runs backward (3F1B's recycling passes) runs under
-  ``no_grad`` and stashes nothing;
-- ``B(s, m)``: receives the gradients of the segment's sent tensors that carry one (and releases the
-  copies of those sent tensors: the peer received each before it answered), runs autograd
-  backward through that segment only (its loss pieces seeded with the loss scale, its token chain
-  included, so inline tensor-parallel communication replays in reverse), and sends each boundary
-  input's gradient back to its producer (zeros when it got none). Whether a message's gradient
-  travels back is fixed in the generated tables (floating, and not from a no-grad segment), so both
-  ends agree;
-- with ``W`` actions (zero-bubble), ``B`` is the input half of the backward alone (``I``) and
-  ``W(s, m)`` its weight half (``runtime.split_backward``): I keeps the gradients at the nodes where
-  the weight paths leave the input path, and W starts from them, never from the root again, so that
-  I and W together run each backward op once.
+- ``RECV_F`` from a peer: the segment's boundary inputs from that peer. ``F(s, m)``: takes the inputs
+  handed over in memory by its own earlier segments, makes each input whose gradient goes back a leaf
+  that requires grad — so the segment's backward stops at its own inputs —, runs the segment function
+  with a fresh token and keeps what backward needs under ``(s, m)``; ``SEND_F`` to a peer sends
+  (asynchronously) the outputs that go to it. A segment the program never runs backward (3F1B's
+  recycling passes) runs under ``no_grad`` and keeps nothing;
+- ``RECV_B`` from a peer: the gradients of the segment's outputs sent there (and releases the copies of
+  the sent messages the receipt proves taken, ``RELEASES``). ``B(s, m)``: autograd backward through that
+  segment only (its loss pieces seeded with the loss scale, its token chain included, so inline
+  tensor-parallel communication replays in reverse); ``SEND_B`` to a peer sends the gradients of the inputs
+  that came from it (zeros when none reached them). Whether a message's gradient travels back is fixed in
+  the generated tables (floating, and not from a no-grad segment), so both ends agree;
+- with ``W`` actions (zero-bubble), ``B`` is the input half of the backward alone and ``W(s, m)`` its
+  weight half (``runtime.split_backward``): B keeps the gradients at the nodes where the weight paths
+  leave the input path, and W starts from them, so that B and W together run each backward op once;
+- ``LOSS``, ``REDUCE b<k>``, ``GATHER b<k>``, ``FREE b<k>`` and ``STEP`` go to the executor's handlers
+  (``StepHandlers``): the loss sum, the gradient buckets, ZeRO's gathers.
 
-Replicated gradients: the reducer accumulates locally over the step's backward actions and sums once,
-its buckets starting during the rank's last backward action (``GradientReducer`` as with one segment).
+Every action run is recorded (``executed``: its text, and its start and end when ``trace``) so that a test
+can hold the run against the simulator's sequence of the same program.
 """
 
 from __future__ import annotations
 
-import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
 
 from lightning_nnscaler.ir.op import PROLOGUE
+from lightning_nnscaler.program import Action, ActionKind, last_accumulating
 from lightning_nnscaler.runtime.autograd_comm import BACKWARD_TAG_OFFSET
 from lightning_nnscaler.runtime.comm import Communicator
 from lightning_nnscaler.runtime.split_backward import WeightPass, input_gradients
 
-_ACTION = re.compile(r"(\d+)([FBW])(\d+)")
+Segment = tuple[int, int]
+
+
+def module_actions(module: ModuleType) -> list[Action]:
+    """The rank's ``PROGRAM`` as actions (each line holds several, joined by commas)."""
+    return [Action.parse(text) for line in module.PROGRAM for text in line.split(",")]
+
+
+@dataclass
+class StepHandlers:
+    """What the executor does at the step's actions that are not a segment's (``None``: nothing to do).
+
+    ``before_last_backward()`` runs right before the last action that accumulates parameter gradients
+    (the reducer's buckets start during it).
+    """
+
+    loss: Callable[[], None] | None = None
+    reduce: Callable[[int], None] | None = None
+    gather: Callable[[int], None] | None = None
+    free: Callable[[int], None] | None = None
+    before_last_backward: Callable[[], None] | None = None
 
 
 @dataclass
@@ -57,7 +77,7 @@ class _Stash:
 
 @dataclass
 class PipelineRun:
-    """One step of a rank's module (its ``SCHEDULE``, one segment or a pipeline's) on one rank.
+    """One step of a rank's module (its ``PROGRAM``) on one rank.
 
     Args:
         module: The rank's generated module.
@@ -74,9 +94,17 @@ class PipelineRun:
     held: dict[str, torch.Tensor]
     parameters: list[torch.Tensor]
     device: torch.device
-    stash: dict[tuple[int, int], _Stash] = field(default_factory=dict)
-    deferred: dict[tuple[int, int], WeightPass] = field(default_factory=dict)
+    stash: dict[Segment, _Stash] = field(default_factory=dict)
+    deferred: dict[Segment, WeightPass] = field(default_factory=dict)
     """Zero-bubble: what each segment's input-only B left for its W."""
+    received: dict[Segment, dict[int, torch.Tensor]] = field(default_factory=dict)
+    """Boundary inputs received for a segment whose F has not run yet."""
+    outgoing: dict[Segment, dict[int, torch.Tensor]] = field(default_factory=dict)
+    """A segment's boundary outputs (by tag) waiting for their SEND_F."""
+    output_gradients: dict[Segment, dict[int, torch.Tensor]] = field(default_factory=dict)
+    """Gradients of a segment's sent outputs, received for its B."""
+    input_gradients: dict[Segment, dict[int, torch.Tensor]] = field(default_factory=dict)
+    """Gradients of a segment's received inputs, waiting for their SEND_B."""
     local_activations: dict[int, torch.Tensor] = field(default_factory=dict)
     local_gradients: dict[int, torch.Tensor] = field(default_factory=dict)
     shared: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -85,29 +113,18 @@ class PipelineRun:
     """Counted pieces of the graph outputs besides the loss (``VALUE_PIECES``): ``(graph output, box, value)``."""
     buffer_values: list[tuple[str, tuple, torch.Tensor]] = field(default_factory=list)
     """This rank's pieces of the buffers' new values (``BUFFER_PIECES``): ``(state_dict key, box, value)``."""
-    with_backward: set[tuple[int, int]] = field(default_factory=set)
+    with_backward: set[Segment] = field(default_factory=set)
     executed: list[tuple[str, float, float]] = field(default_factory=list)
-    """``(action, start, end)`` in ``time.perf_counter`` seconds, for each action run (when ``trace``)."""
+    """``(action, start, end)`` of each action run, in order (times in ``time.perf_counter`` seconds when ``trace``, else 0)."""
+    trace: bool = False
 
-    def actions(self, backward: bool) -> list[tuple[str, int, int]]:
-        """``SCHEDULE`` as ``(kind, stage, microbatch)``; forward actions only when not ``backward``."""
-        parsed = []
-        for text in self.module.SCHEDULE:
-            stage, kind, microbatch = _ACTION.fullmatch(text).groups()
-            if backward or kind == "F":
-                parsed.append((kind, int(stage), int(microbatch)))
-        return parsed
+    def record(self, text: str, start: float = 0.0) -> None:
+        """Add ``text`` to ``executed`` (the reducer reports the buckets it starts here)."""
+        self.executed.append((text, start, time.perf_counter() if self.trace else 0.0))
 
-    def run(
-        self, *, backward: bool, loss_scale: float | torch.Tensor, before_last_backward: Callable[[], None] | None = None,
-        after_last_forward: Callable[[], None] | None = None, trace: bool = False,
-    ) -> list[torch.Tensor]:
-        """Run the prologue and every action; returns the seeded loss pieces (detached).
-
-        ``after_last_forward()`` is called right after the rank's last forward action, when every seed
-        and value is known; ``before_last_backward()`` right before the last action that accumulates
-        parameter gradients (the reducer's buckets start during it).
-        """
+    def run(self, actions: Sequence[Action], *, backward: bool, loss_scale: float | torch.Tensor, handlers: StepHandlers) -> list[torch.Tensor]:
+        """Run the prologue and ``actions`` up to ``STEP`` (forward and loss actions only unless ``backward``);
+        returns the seeded loss pieces (detached)."""
         prologue = getattr(self.module, "prologue", None)
         if prologue is not None:
             with torch.no_grad():
@@ -119,54 +136,76 @@ class PipelineRun:
         self.buffer_values = [
             (key, box, self.shared[var]) for _, var, box, key, segment in getattr(self.module, "BUFFER_PIECES", ()) if tuple(segment) == PROLOGUE
         ]
-        actions = self.actions(backward)
-        self.with_backward = {(stage, microbatch) for kind, stage, microbatch in actions if kind != "F"}
-        accumulating = "W" if any(kind == "W" for kind, _, _ in actions) else "B"
-        last = max((index for index, (kind, _, _) in enumerate(actions) if kind == accumulating), default=None)
-        last_forward = max((index for index, (kind, _, _) in enumerate(actions) if kind == "F"), default=-1)
-        if last_forward < 0 and after_last_forward is not None:
-            after_last_forward()
-        for index, (kind, stage, microbatch) in enumerate(actions):
-            if index == last and before_last_backward is not None:
-                before_last_backward()
-            start = time.perf_counter() if trace else 0.0
-            if kind == "F":
-                self.forward(stage, microbatch, backward)
-            elif kind == "B":
-                self.backward(stage, microbatch, loss_scale, input_gradients_only=accumulating == "W")
-            else:
-                self.weights(stage, microbatch)
-            if trace:
-                self.executed.append((f"{stage}{kind}{microbatch}", start, time.perf_counter()))
-            if index == last_forward and after_last_forward is not None:
-                after_last_forward()
+        if not backward:
+            actions = [action for action in actions if action.kind in (ActionKind.FORWARD, ActionKind.RECV_F, ActionKind.SEND_F, ActionKind.LOSS)]
+        step = next((index for index, action in enumerate(actions) if action.kind is ActionKind.STEP), len(actions))
+        actions = actions[:step]
+        self.with_backward = {(action.stage, action.microbatch) for action in actions if action.kind is ActionKind.BACKWARD}
+        split = any(action.kind is ActionKind.WEIGHT for action in actions)
+        last = last_accumulating(actions) if backward else None
+        for index, action in enumerate(actions):
+            if index == last and handlers.before_last_backward is not None:
+                handlers.before_last_backward()
+            start = time.perf_counter() if self.trace else 0.0
+            if action.kind is not ActionKind.REDUCE:  # the reducer records a bucket when its sum starts (maybe during B)
+                self.record(str(action), start)
+            self._dispatch(action, backward, loss_scale, split, handlers)
+            if self.trace and action.kind is not ActionKind.REDUCE:
+                self.executed[-1] = (str(action), start, time.perf_counter())
         return self.seeds
 
-    def forward(self, stage: int, microbatch: int, backward: bool) -> None:
-        """F: receive the boundary inputs, run the segment, send its boundary outputs, stash for B."""
-        segment = (stage, microbatch)
-        backward = backward and segment in self.with_backward
-        received = {}
-        for tag, src, shape, dtype, gradient in self.module.BOUNDARY_IN.get(segment, []):
-            if src == self.rank:
-                tensor = self.local_activations.pop(tag)
-            else:
-                tensor = self.communicator.recv(shape, dtype, src, tag)
+    def _dispatch(self, action: Action, backward: bool, loss_scale: float | torch.Tensor, split: bool, handlers: StepHandlers) -> None:
+        kind, segment = action.kind, (action.stage, action.microbatch)
+        if kind is ActionKind.RECV_F:
+            self.receive_inputs(segment, action.peer)
+        elif kind is ActionKind.FORWARD:
+            self.forward(segment, backward)
+        elif kind is ActionKind.SEND_F:
+            self.send_outputs(segment, action.peer)
+        elif kind is ActionKind.RECV_B:
+            self.receive_output_gradients(segment, action.peer)
+        elif kind is ActionKind.BACKWARD:
+            self.backward(segment, loss_scale, input_gradients_only=split)
+        elif kind is ActionKind.SEND_B:
+            self.send_input_gradients(segment, action.peer)
+        elif kind is ActionKind.WEIGHT:
+            self.weights(segment)
+        else:
+            handler = {ActionKind.LOSS: handlers.loss, ActionKind.REDUCE: handlers.reduce, ActionKind.GATHER: handlers.gather,
+                       ActionKind.FREE: handlers.free}.get(kind)
+            if handler is not None:
+                handler() if kind is ActionKind.LOSS else handler(action.bucket)
+
+    def receive_inputs(self, segment: Segment, peer: int) -> None:
+        """RECV_F: the segment's boundary inputs from ``peer``, in table order."""
+        received = self.received.setdefault(segment, {})
+        for tag, src, shape, dtype, _ in self.module.BOUNDARY_IN.get(segment, []):
+            if src == peer:
+                received[tag] = self.communicator.recv(shape, dtype, src, tag)
                 self._release_after((src, tag, False))
-            if backward and gradient:
-                tensor = tensor.detach().requires_grad_()
-            received[tag] = tensor
+
+    def forward(self, segment: Segment, backward: bool) -> None:
+        """F: the inputs handed over in memory, the segment function, its outputs kept for SEND_F (or handed over), stash for B."""
+        backward = backward and segment in self.with_backward
+        arrived = self.received.pop(segment, {})
+        received = {}
+        for tag, src, _, _, gradient in self.module.BOUNDARY_IN.get(segment, []):
+            tensor = self.local_activations.pop(tag) if src == self.rank else arrived[tag]
+            received[tag] = tensor.detach().requires_grad_() if backward and gradient else tensor
         function = self.module.SEGMENTS.get(segment)
         if function is None:
             return  # a segment with no ops on this rank (e.g. a stage whose work its peers do)
         token = torch.zeros((), device=self.device, requires_grad=backward)
         with torch.set_grad_enabled(backward):
             sent, outputs, token = function(self.held, self.shared, received, self.communicator, token)
+        remote = {}
         for tag, dst, _ in self.module.BOUNDARY_OUT.get(segment, []):
             if dst == self.rank:
                 self.local_activations[tag] = sent[tag]
             else:
-                self.communicator.send(sent[tag], dst, tag)
+                remote[tag] = sent[tag]
+        if remote:
+            self.outgoing[segment] = remote
         seeds = [outputs[name] for name, _, seed, seed_segment in self.module.OUTPUTS if seed and tuple(seed_segment) == segment]
         self.seeds += [seed.detach() for seed in seeds]
         self.values += [
@@ -180,22 +219,37 @@ class PipelineRun:
         if backward:
             self.stash[segment] = _Stash(received, sent, seeds, token)
 
-    def backward(self, stage: int, microbatch: int, loss_scale: float | torch.Tensor, *, input_gradients_only: bool) -> None:
-        """B: gradients of the sent tensors in, backward through the segment, input gradients out."""
-        segment = (stage, microbatch)
+    def send_outputs(self, segment: Segment, peer: int) -> None:
+        """SEND_F: the segment's outputs that go to ``peer``, asynchronously."""
+        outgoing = self.outgoing.get(segment, {})
+        for tag, dst, _ in self.module.BOUNDARY_OUT.get(segment, []):
+            if dst == peer:
+                self.communicator.send(outgoing.pop(tag), dst, tag)
+        if not outgoing:
+            self.outgoing.pop(segment, None)
+
+    def receive_output_gradients(self, segment: Segment, peer: int) -> None:
+        """RECV_B: the gradients of the segment's outputs sent to ``peer`` (those that carry one)."""
+        entry = self.stash.get(segment)
+        gradients = self.output_gradients.setdefault(segment, {})
+        for tag, dst, gradient in self.module.BOUNDARY_OUT.get(segment, []):
+            if dst == peer and gradient and entry is not None:
+                value = entry.sent[tag]
+                gradients[tag] = self.communicator.recv(value.shape, value.dtype, dst, tag + BACKWARD_TAG_OFFSET)
+                self._release_after((dst, tag, True))
+
+    def backward(self, segment: Segment, loss_scale: float | torch.Tensor, *, input_gradients_only: bool) -> None:
+        """B: backward through the segment from its outputs' gradients and its loss seeds; its input gradients kept for SEND_B."""
         if segment not in self.stash:
             return  # no ops on this rank
         entry = self.stash.pop(segment)
+        arrived = self.output_gradients.pop(segment, {})
         roots, gradients = [], []
         for tag, dst, gradient in self.module.BOUNDARY_OUT.get(segment, []):
-            value = entry.sent[tag]
             if not gradient:
                 continue
-            if dst == self.rank:
-                gradient = self.local_gradients.pop(tag)
-            else:
-                gradient = self.communicator.recv(value.shape, value.dtype, dst, tag + BACKWARD_TAG_OFFSET)
-                self._release_after((dst, tag, True))
+            value = entry.sent[tag]
+            gradient = self.local_gradients.pop(tag) if dst == self.rank else arrived[tag]
             if value.requires_grad:
                 roots.append(value)
                 gradients.append(gradient)
@@ -216,24 +270,35 @@ class PipelineRun:
         else:
             root.backward()
             input_gradients_by_id = {id(leaf): leaf.grad for leaf in leaves}
+        outgoing = {}
         for tag, src, shape, dtype, gradient in self.module.BOUNDARY_IN.get(segment, []):
-            tensor = entry.received[tag]
             if not gradient:
                 continue
-            gradient = input_gradients_by_id.get(id(tensor))
-            gradient = torch.zeros(shape, dtype=dtype, device=self.device) if gradient is None else gradient
+            value = input_gradients_by_id.get(id(entry.received[tag]))
+            value = torch.zeros(shape, dtype=dtype, device=self.device) if value is None else value
             if src == self.rank:
-                self.local_gradients[tag] = gradient
+                self.local_gradients[tag] = value
             else:
-                self.communicator.send(gradient, src, tag + BACKWARD_TAG_OFFSET)
+                outgoing[tag] = value
+        if outgoing:
+            self.input_gradients[segment] = outgoing
+
+    def send_input_gradients(self, segment: Segment, peer: int) -> None:
+        """SEND_B: the gradients of the segment's inputs that came from ``peer``."""
+        outgoing = self.input_gradients.get(segment, {})
+        for tag, src, _, _, gradient in self.module.BOUNDARY_IN.get(segment, []):
+            if src == peer and gradient and tag in outgoing:
+                self.communicator.send(outgoing.pop(tag), src, tag + BACKWARD_TAG_OFFSET)
+        if not outgoing:
+            self.input_gradients.pop(segment, None)
 
     def _release_after(self, received: tuple[int, int, bool]) -> None:
         """Drop the copies of the sent messages that the receipt of ``received`` proves taken (the module's ``RELEASES``)."""
         for dst, tag, gradient in getattr(self.module, "RELEASES", {}).get(received, ()):
             self.communicator.release_send(dst, tag + BACKWARD_TAG_OFFSET if gradient else tag)
 
-    def weights(self, stage: int, microbatch: int) -> None:
+    def weights(self, segment: Segment) -> None:
         """W: accumulate the segment's weight gradients from the gradients its input-only B kept."""
-        deferred = self.deferred.pop((stage, microbatch), None)
+        deferred = self.deferred.pop(segment, None)
         if deferred is not None:
             deferred.accumulate()

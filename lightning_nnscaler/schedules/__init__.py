@@ -1,12 +1,13 @@
 """Pipeline schedules as plain data (DESIGN.md §8): generators, lowering, validation, rendering, metrics.
 
 A generator gives compute-only per-rank lists (``one_f_one_b(4, 8).as_text()``); ``lower`` inserts the
-SEND/RECV actions; ``zbv`` and ``v_half`` give V-shaped placements (two stages per rank); ``load_csv`` imports a per-rank table in torch's CSV format; ``validate`` runs all lists symbolically and raises ``ScheduleError`` with the
+SEND/RECV actions; ``zbv``, ``v_half`` and ``dual_pipe_v`` give V-shaped placements (two stages per rank); ``load_csv`` imports a per-rank table in torch's CSV format; ``validate`` runs all lists symbolically and raises ``ScheduleError`` with the
 step × rank grid when the schedule would hang or mispair messages. Nothing here imports torch.
 """
 
 from lightning_nnscaler.schedules.actions import SHARED, Action, Kind, Schedule, Timeline
 from lightning_nnscaler.schedules.csv_import import format_csv, load_csv, parse_table
+from lightning_nnscaler.schedules.dual_pipe import dual_pipe_v
 from lightning_nnscaler.schedules.gpipe import gpipe
 from lightning_nnscaler.schedules.interlaced import interlaced
 from lightning_nnscaler.schedules.interleaved import interleaved
@@ -28,6 +29,7 @@ __all__ = [
     "ScheduleError",
     "Timeline",
     "bubble_fraction",
+    "dual_pipe_v",
     "execute",
     "format_csv",
     "gpipe",

@@ -1,106 +1,23 @@
-"""Pipeline schedules as plain data: an ``Action`` per step, a list of actions per rank (DESIGN.md §8).
+"""Pipeline schedules as plain data: a list of ``program.Action`` per rank (DESIGN.md §8).
 
-The text form follows torch.distributed.pipelining's ``_Action``: ``"1F0"`` is stage 1, forward,
-microbatch 0. Communication actions carry the peer rank and an arrow that points the way the data
-flows: ``"0SEND_F3->1"`` (stage 0 sends its output of microbatch 3 to rank 1) and ``"1RECV_F3<-0"``
-(stage 1 receives its input of microbatch 3 from rank 0). ``SEND_B``/``RECV_B`` carry gradients the
-other way: ``"1SEND_B3->0"`` sends stage 1's input gradient, ``"0RECV_B3<-1"`` receives stage 0's
-output gradient. The stage of a communication action is always the stage of the rank that runs it.
+A schedule holds the compute actions (``"1F0"``: stage 1, forward, microbatch 0) and, once lowered,
+the point-to-point messages between stages (``"0SEND_F3->1"``, ``"1RECV_F3<-0"``); the text form is
+``program.actions``'s. The step's other actions (gradient buckets, ZeRO, the optimizer) are added when
+the schedule becomes the plan's ``program.Program``.
 """
 
 from __future__ import annotations
 
-import enum
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_nnscaler.program.actions import Action, ActionKind
 
-class Kind(str, enum.Enum):
-    """What an action does; the value is its text in the compact form."""
-
-    FORWARD = "F"  # run the segment forward and stash what its backward needs
-    BACKWARD = "B"  # receive output gradients, backward through the segment (input grads only when W exists)
-    WEIGHT = "W"  # the weight-gradient half of B (zero-bubble schedules)
-    SEND_F = "SEND_F"  # send a stage's output activation to the rank holding the next stage
-    RECV_F = "RECV_F"  # receive a stage's input activation from the rank holding the previous stage
-    SEND_B = "SEND_B"  # send a stage's input gradient to the rank holding the previous stage
-    RECV_B = "RECV_B"  # receive a stage's output gradient from the rank holding the next stage
-
-    @property
-    def is_compute(self) -> bool:
-        """True for F, B and W."""
-        return self in (Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT)
-
-    @property
-    def is_send(self) -> bool:
-        """True for SEND_F and SEND_B."""
-        return self in (Kind.SEND_F, Kind.SEND_B)
-
-    @property
-    def is_recv(self) -> bool:
-        """True for RECV_F and RECV_B."""
-        return self in (Kind.RECV_F, Kind.RECV_B)
-
-
-F, B, W = Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT
+F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
+Kind = ActionKind
+"""The schedules' name for ``program.ActionKind`` (a schedule holds only its compute and message kinds)."""
 SHARED = -1
 """``Schedule.stage_ranks`` entry of a stage that every rank runs together (split over all of them)."""
-_KINDS_BY_TEXT = {kind.value: kind for kind in Kind}
-_PATTERN = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)(\d+)(?:(->|<-)(\d+))?")
-
-
-@dataclass(frozen=True, order=True)
-class Action:
-    """One step of a rank's program: ``kind`` on (``stage``, ``microbatch``), with ``peer`` for communication.
-
-    Attributes:
-        stage: the pipeline stage (segment) the action belongs to; for communication, the local stage.
-        microbatch: the microbatch index.
-        kind: see ``Kind``.
-        peer: the other rank of a SEND/RECV; None for compute actions.
-    """
-
-    stage: int
-    microbatch: int
-    kind: Kind
-    peer: int | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", Kind(self.kind))
-        if self.stage < 0 or self.microbatch < 0:
-            raise ValueError(f"Action {self.stage}/{self.kind.value}/{self.microbatch}: stage and microbatch must be >= 0")
-        if self.kind.is_compute != (self.peer is None):
-            needs = "takes no" if self.kind.is_compute else "needs a"
-            raise ValueError(f"Action kind {self.kind.value} {needs} peer rank (got {self.peer})")
-        if self.peer is not None and self.peer < 0:
-            raise ValueError(f"Action peer rank must be >= 0, got {self.peer}")
-
-    def __str__(self) -> str:
-        text = f"{self.stage}{self.kind.value}{self.microbatch}"
-        if self.kind.is_send:
-            return f"{text}->{self.peer}"
-        if self.kind.is_recv:
-            return f"{text}<-{self.peer}"
-        return text
-
-    @classmethod
-    def parse(cls, text: str) -> Action:
-        """Read the compact form back: ``Action.parse(str(action)) == action``.
-
-        Raises:
-            ValueError: when ``text`` is not ``"<stage><kind><microbatch>"`` with ``->peer`` after a SEND and
-                ``<-peer`` after a RECV.
-        """
-        match = _PATTERN.fullmatch(text.strip())
-        if match is None:
-            raise ValueError(f"cannot parse action {text!r}: expected e.g. '1F0', '0SEND_F0->1' or '1RECV_F0<-0'")
-        stage, kind_text, microbatch, arrow, peer = match.groups()
-        kind = _KINDS_BY_TEXT[kind_text]
-        expected_arrow = "->" if kind.is_send else "<-" if kind.is_recv else None
-        if arrow != expected_arrow:
-            raise ValueError(f"cannot parse action {text!r}: {kind_text} needs {expected_arrow or 'no arrow'}, got {arrow or 'none'}")
-        return cls(int(stage), int(microbatch), kind, None if peer is None else int(peer))
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,11 @@ weight-gradient half, and the communication actions of torch's ``compute_comms``
 ``0SEND_F0``, ``SEND_B``/``RECV_B``; the peer is inferred, or written as ``0SEND_F0->1`` / ``1RECV_F0<-0``).
 
 Mapping to this project's kinds: with no ``I`` or ``W`` in the table, ``B`` is ``B``. With them (a
-split backward), ``I`` is ``B`` (input gradients only) and a fused ``B`` becomes ``B`` then ``W``. Where a
-stage lives is read from the table (each stage on exactly one row), so V-shaped and interleaved
-placements import as they are. torch's FSDP and reduction actions (``UNSHARD``, ``RESHARD``,
-``REDUCE_GRAD``) and ``OVERLAP_F_B`` are refused.
+split backward), ``I`` is ``B`` (input gradients only) and a fused ``B`` becomes ``B`` then ``W``. torch's
+overlapped pair ``(0F2;3B0)OVERLAP_F_B`` (``ScheduleDualPipeV``) is its actions in order, here one after
+the other. Where a stage lives is read from the table (each stage on exactly one row), so V-shaped and
+interleaved placements import as they are. torch's FSDP and reduction actions (``UNSHARD``, ``RESHARD``,
+``REDUCE_GRAD``) are refused.
 
 Checks, each naming the row (rank) and cell: the text parses, every stage is on one rank, a
 microbatch's B follows its F and its W follows its B on that rank, each (stage, microbatch) has its
@@ -30,7 +31,8 @@ from lightning_nnscaler.schedules.lower import lower
 from lightning_nnscaler.schedules.validate import ScheduleError, validate
 
 _CELL = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|I|B|W)(\d+)(?:(->|<-)(\d+))?")
-_UNSUPPORTED = re.compile(r"\(.*\)OVERLAP_F_B|\d+(UNSHARD|RESHARD|REDUCE_GRAD)\d*")
+_UNSUPPORTED = re.compile(r"\d+(UNSHARD|RESHARD|REDUCE_GRAD)\d*")
+_OVERLAPPED = re.compile(r"\((.*)\)OVERLAP_F_B")
 _COMPUTE = ("F", "I", "B", "W")
 Cell = tuple[int, int, str]  # (row, column, text), 0-based; messages print them 1-based
 
@@ -74,7 +76,8 @@ def parse_table(rows: Sequence[Sequence[str]], *, source: str = "schedule table"
         raise ValueError(f"{source}: the table has {len(rows)} rows, one per rank, but the pipeline has {ranks} ranks")
     if not rows:
         raise ValueError(f"{source}: the table is empty; write one row of actions per rank, e.g. '0F0,0B0'")
-    cells = [[_parse_cell(source, row, column, text) for column, text in enumerate(texts) if text.strip()] for row, texts in enumerate(rows)]
+    cells = [[_parse_cell(source, row, column, part) for column, text in enumerate(texts) if text.strip() for part in _parts(text)]
+             for row, texts in enumerate(rows)]
     split = any(kind in ("I", "W") for rank_cells in cells for _, kind, _, _, _ in rank_cells)
     stage_ranks = _stage_ranks(source, cells)
     count = 1 + max((microbatch for rank_cells in cells for _, kind, _, microbatch, _ in rank_cells if kind in _COMPUTE), default=-1)
@@ -92,12 +95,18 @@ def parse_table(rows: Sequence[Sequence[str]], *, source: str = "schedule table"
     return compute
 
 
+def _parts(text: str) -> list[str]:
+    """The action texts of one cell: those of an overlapped pair ``(…;…)OVERLAP_F_B`` in order, else the cell."""
+    overlapped = _OVERLAPPED.fullmatch(text.strip())
+    return [part for part in overlapped.group(1).split(";") if part.strip()] if overlapped else [text]
+
+
 def _parse_cell(source: str, row: int, column: int, text: str) -> tuple[Cell, str, int, int, int | None]:
     """(cell, kind text, stage, microbatch, peer) of one non-empty cell."""
     cell = (row, column, text.strip())
     match = _CELL.fullmatch(cell[2])
     if match is None:
-        why = ("torch's FSDP / gradient-reduction / overlapped actions are not supported" if _UNSUPPORTED.fullmatch(cell[2])
+        why = ("torch's FSDP / gradient-reduction actions are not supported" if _UNSUPPORTED.fullmatch(cell[2])
                else "expected <stage><F|B|I|W|SEND_F|RECV_F|SEND_B|RECV_B><microbatch>, e.g. '1F0', '0I2', '0SEND_F0'")
         raise ValueError(f"{source}: {_where(cell)}: unknown action: {why}")
     stage, kind, microbatch, arrow, peer = match.groups()

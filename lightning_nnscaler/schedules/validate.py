@@ -20,6 +20,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lightning_nnscaler.ir.errors import NnScalerError
 from lightning_nnscaler.schedules.actions import Action, Kind, Schedule, Timeline
 from lightning_nnscaler.schedules.lower import communication_around
 from lightning_nnscaler.schedules.render import grid
@@ -27,7 +28,7 @@ from lightning_nnscaler.schedules.render import grid
 Key = tuple  # what an action waits for: a compute/recv Action's identity, or ("send", channel, k)
 
 
-class ScheduleError(ValueError):
+class ScheduleError(NnScalerError, ValueError):
     """A schedule that would fail or hang at run time; the message holds the marked step × rank grid."""
 
 

@@ -1,24 +1,19 @@
 """A plan's per-rank task lists: what each rank runs in one training step, with durations.
 
-Non-pipelined plans: the rank's program in order (forward), then its transpose in reverse
-(backward: compute twice the work, a send becomes a receive of the gradient, a receive a send, a
-collective its adjoint — ``runtime.autograd_comm``'s table), then the gradient reduction
-(``runtime.reducer``: stage 0 all-reduces buckets of ``BUCKET_BYTES`` per ranks tuple; ZeRO
-reduce-scatters buckets of the replicated boxes and all-gathers them, stage 1 after the optimizer
-step, stage 3 before the forward), the AdamW step over what the rank steps, and the loss sum (with the
-gradients; a pipeline sums it after them, as ``runtime.executor`` does).
-
-Pipelined plans run the schedule's actions (``PipelinePlan.actions(rank)``) as ``runtime.pipeline``
-does: the prologue once, then per ``F(s, m)`` the boundary receives, the segment's forward and
-the boundary sends; per ``B`` the gradient receives, the segment's backward (half of it, the input
-gradients, when the schedule splits W off), the gradient sends; ``W`` the whole backward again
-(``runtime.pipeline``'s W differentiates B's kept root for the weights, which walks the input-gradient
-chain once more to reach them: a zero-bubble step computes 1.5 backwards). Activations (what autograd saves
-for backward, ``materialize.kept``, as ``explain`` counts them) are added at F and freed at
-the last backward half. A boundary message's copy is released at the receive that proves its peer took it
-(``materialize.releases``, as the generated ``RELEASES`` table does in the runtime).
-Each of these compute tasks is labelled with its action (``1F0``; the prologue ``prologue``), so a
-recorded timeline names it.
+The simulator runs the plan's ``program.Program``, the same actions the runtime dispatches
+(``runtime.pipeline``), each priced: ``GATHER b<k>`` an all-gather of ZeRO bucket k; ``RECV_F``/``SEND_F``
+the segment's boundary messages from/to that peer; ``F`` the segment's forward (its ops priced by the
+compute model, its inline communication as tasks); ``RECV_B``/``B``/``SEND_B`` the segment's backward
+(compute twice the work, a send becomes a receive of the gradient, a receive a send, a collective its
+adjoint — ``runtime.autograd_comm``'s table; half the work when the program splits W off, which does
+the other half); ``LOSS`` the loss sum (overlapping backward, or in a pipeline after the gradient sums,
+as ``runtime.executor`` does); ``REDUCE b<k>`` bucket k's all-reduce (non-blocking) or ZeRO's
+reduce-scatter, at the size the plan cut its buckets at; ``STEP`` the AdamW step over what the rank
+steps; ``FREE`` nothing. Every task is labelled with its action's text (the prologue's ``prologue``), so
+the simulated sequence can be held against the runtime's executed one, and a recorded timeline names it.
+Activations (what autograd saves for backward, ``materialize.kept``, as ``explain`` counts them) are
+added at F and freed at the last backward half. A boundary message's copy is released at the receive that
+proves its peer took it (``materialize.releases``, as the generated ``RELEASES`` table does in the runtime).
 """
 
 from __future__ import annotations
@@ -29,6 +24,7 @@ from typing import Any
 
 from lightning_nnscaler.ir.tensor import dtype_bytes
 from lightning_nnscaler.materialize.program import Assemble, Collective, Compute as ComputeAction, Program, Recv as RecvAction, Send as SendAction
+from lightning_nnscaler.program import Action, ActionKind
 from lightning_nnscaler.sim.costs import FLOATING, ComputeModel
 from lightning_nnscaler.materialize.kept import KeptBytes, backward_seed_bytes
 from lightning_nnscaler.materialize.posts import receive_posts
@@ -36,10 +32,9 @@ from lightning_nnscaler.materialize.releases import Message, pipeline_releases
 from lightning_nnscaler.sim.tasks import Collective as CollectiveTask, Compute, Recv, Send, Task, WaitCollectives
 from lightning_nnscaler.sim.transient import OpMemory, TransientBytes, backward_peaks
 
-BUCKET_BYTES = 25 * 1024 * 1024
-"""``runtime.reducer.BUCKET_BYTES`` (DDP's default bucket size), repeated: the simulator may not import the runtime."""
-WEIGHT_PASS_SHARE = 1.0
-"""A W action's share of its segment's backward time (see the module docstring); B's is 0.5."""
+SPLIT_SHARE = 0.5
+"""The share of a segment's backward time that each of B and W takes when the program splits W off
+(``runtime.split_backward``: the two halves run each backward op once between them)."""
 ADJOINT = {"all_reduce": "all_reduce", "all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all", "broadcast": "all_reduce"}
 
 
@@ -85,7 +80,7 @@ class TaskBuilder:
 
     def __init__(self, plan: Any, compute: ComputeModel) -> None:
         self.plan, self.compute = plan, compute
-        self.program: Program = plan.program
+        self.program: Program = plan.materialized
         self.message_bytes = {
             (action.src, rank_program.rank, action.tag): math.prod(action.shape) * dtype_bytes(action.dtype)
             for rank_program in self.program.ranks for action in rank_program.actions if isinstance(action, RecvAction)
@@ -94,8 +89,7 @@ class TaskBuilder:
         self.trained = {tensor.name for tensor in plan.graph.parameters if tensor.requires_grad}
         self.posts = receive_posts(self.program)
         """Inline receives posted where their message is sent (``materialize.posts``): no late receive."""
-        self.releases = pipeline_releases(self.program, [[str(action) for action in plan.pipeline.actions(rank)]
-                                                          for rank in range(self.program.world_size)]) if plan.pipeline else None
+        self.releases = pipeline_releases(self.program, plan.program) if self.program.pipelined else None
         """Per rank, which sent messages each received one proves taken (the runtime's ``RELEASES``)."""
         self._made: set[str] = set()
         """Parameter pieces whose gradients exist so far in the rank's step being built."""
@@ -108,20 +102,83 @@ class TaskBuilder:
         return [self.rank_tasks(rank) for rank in range(self.program.world_size)]
 
     def rank_tasks(self, rank: int) -> list[Task]:
-        """Rank ``rank``'s tasks: gathers, forward and backward (or the schedule), reduction, optimizer step."""
+        """Rank ``rank``'s tasks: the prologue, then each action of its program (see the module docstring)."""
         segments = self._segments(rank)
         self._made = set(self._bucketed(rank))  # gradients held all along: the reducer's buckets
+        actions = self.plan.program.actions[rank]
+        self._split = any(action.kind is ActionKind.WEIGHT for action in actions)
+        self._backward_stages = {action.stage for action in actions if action.kind is ActionKind.BACKWARD}
+        self._seeds = backward_seed_bytes(self.program, rank)
+        self._waited = False
         tasks: list[Task] = []
-        if self.plan.zero_stage == 3:
-            tasks += [CollectiveTask("all_gather", ranks, nbytes, "zero3 gather") for ranks, nbytes in _zero_buckets(self._replicated(rank))]
-        if self.plan.pipeline is None:
-            segment = segments.get(None, _Segment())
-            tasks += self._forward(segment, rank)
-            tasks += self._backward(segment, rank, 1.0)
-        else:
-            tasks += self._scheduled(segments, rank)
-        tasks += self._reduction(rank)
+        for key, segment in segments.items():
+            if key is not None and key[0] < 0:  # the prologue, once, without gradients
+                tasks += self._forward(segment, rank, keep=False, label="prologue")
+        for action in actions:
+            segment = segments.get(self._segment_key(action), _Segment()) if action.kind.is_segment else _Segment()
+            tasks += self._action_tasks(action, segment, rank)
         return tasks
+
+    def _segment_key(self, action: Action) -> tuple[int, int] | None:
+        """The materialized program's segment of ``action``: None in a plan that is not pipelined."""
+        return (action.stage, action.microbatch) if self.program.pipelined else None
+
+    def _action_tasks(self, action: Action, segment: _Segment, rank: int) -> list[Task]:
+        """The tasks of one action."""
+        kind, label = action.kind, str(action)
+        if kind is ActionKind.RECV_F:
+            return [Recv(message.src, label, self._released(rank, Message(message.src, rank, message.tag, False)),
+                         (message.src, rank, message.tag) in self.posts) for message in segment.inputs if message.src == action.peer]
+        if kind is ActionKind.FORWARD:
+            return self._forward(segment, rank, keep=action.stage in self._backward_stages, label=label)
+        if kind is ActionKind.SEND_F:
+            return [Send(message.dst, self.message_bytes.get((rank, message.dst, message.tag), 0), label)
+                    for message in segment.outputs if message.dst == action.peer]
+        if kind is ActionKind.RECV_B:
+            return [Recv(message.dst, label, self._released(rank, Message(message.dst, rank, message.tag, True)))
+                    for message in segment.outputs if message.dst == action.peer and message.gradient]
+        if kind is ActionKind.BACKWARD:
+            return self._backward_action(action, segment, rank)
+        if kind is ActionKind.SEND_B:
+            return [Send(message.src, self.message_bytes.get((message.src, rank, message.tag), 0), label)
+                    for message in segment.inputs if message.src == action.peer and message.gradient]
+        if kind is ActionKind.WEIGHT:
+            chunks = [item for item in segment.items if isinstance(item, _Chunk)]
+            seed = self._seeds.get((action.stage, action.microbatch), 0)
+            return [Compute(sum(item.backward * SPLIT_SHARE + item.recompute for item in chunks), "weight", label,
+                            activation_bytes=-(segment.kept + seed))]
+        return self._step_tasks(action, rank)
+
+    def _backward_action(self, action: Action, segment: _Segment, rank: int) -> list[Task]:
+        """B: the segment's backward, holding its loss seeds while it runs (until W when the program splits W off)."""
+        label = str(action)
+        if not self.program.pipelined:
+            return self._backward(segment, rank, SPLIT_SHARE if self._split else 1.0, release=not self._split, label=label)
+        seed = self._seeds.get((action.stage, action.microbatch), 0)
+        tasks: list[Task] = [Compute(0.0, "backward", label, activation_bytes=seed)]
+        tasks += self._backward(segment, rank, SPLIT_SHARE if self._split else 1.0, release=not self._split, label=label)
+        return tasks + ([] if self._split else [Compute(0.0, "backward", label, activation_bytes=-seed)])
+
+    def _step_tasks(self, action: Action, rank: int) -> list[Task]:
+        """LOSS, REDUCE, GATHER, FREE and STEP (see the module docstring)."""
+        kind, label = action.kind, str(action)
+        everyone = tuple(range(self.program.world_size))
+        if kind is ActionKind.LOSS:
+            if not self.program.pipelined:
+                return [CollectiveTask("all_reduce", everyone, 8, label, blocking=False)]
+            self._waited = True
+            return [WaitCollectives(label), CollectiveTask("all_reduce", everyone, 8, label)]
+        bucket = self.plan.program.buckets[rank][action.bucket] if action.bucket is not None else None
+        if kind is ActionKind.REDUCE:
+            if self.plan.program.zero_stage:
+                return [CollectiveTask("reduce_scatter", tuple(sorted(bucket.ranks)), bucket.nbytes, label)]
+            return [CollectiveTask("all_reduce", tuple(sorted(bucket.ranks)), bucket.nbytes, label, blocking=False)]
+        if kind is ActionKind.GATHER:
+            return [CollectiveTask("all_gather", tuple(sorted(bucket.ranks)), bucket.nbytes, label)]
+        if kind is ActionKind.FREE:
+            return [Compute(0.0, "other", label)]
+        waits = [] if self._waited else [WaitCollectives(label)]
+        return [*waits, Compute(self.compute.optimizer_seconds(self._stepped(rank)), "optimizer", label)]
 
     # --- programs into segments ----------------------------------------------------------------------
 
@@ -172,11 +229,11 @@ class TaskBuilder:
             if isinstance(item, _Chunk):
                 tasks.append(Compute(item.forward, "forward", label, activation_bytes=item.kept if keep else 0, transient_bytes=item.forward_peak))
             elif isinstance(item, SendAction):
-                tasks.append(Send(item.dst, self.message_bytes.get((rank, item.dst, item.tag), 0)))
+                tasks.append(Send(item.dst, self.message_bytes.get((rank, item.dst, item.tag), 0), label))
             elif isinstance(item, RecvAction):
-                tasks.append(Recv(item.src, posted=(item.src, rank, item.tag) in self.posts))
+                tasks.append(Recv(item.src, label, posted=(item.src, rank, item.tag) in self.posts))
             elif isinstance(item, Collective):
-                tasks.append(CollectiveTask(item.kind, tuple(sorted(item.ranks)), item.bytes_per_device))
+                tasks.append(CollectiveTask(item.kind, tuple(sorted(item.ranks)), item.bytes_per_device, label))
         return tasks
 
     def _bucketed(self, rank: int) -> list[str]:
@@ -202,51 +259,16 @@ class TaskBuilder:
                 elif release and item.kept:
                     tasks.append(Compute(0.0, "backward", label, activation_bytes=-item.kept))
             elif isinstance(item, SendAction) and self._floating_message(rank, item.dst, item.tag):
-                tasks.append(Recv(item.dst))
+                tasks.append(Recv(item.dst, label))
             elif isinstance(item, RecvAction) and item.dtype in FLOATING:
-                tasks.append(Send(item.src, self.message_bytes.get((item.src, rank, item.tag), 0)))
+                tasks.append(Send(item.src, self.message_bytes.get((item.src, rank, item.tag), 0), label))
             elif isinstance(item, Collective):
-                tasks.append(CollectiveTask(ADJOINT.get(item.kind, item.kind), tuple(sorted(item.ranks)), item.bytes_per_device))
+                tasks.append(CollectiveTask(ADJOINT.get(item.kind, item.kind), tuple(sorted(item.ranks)), item.bytes_per_device, label))
         return tasks
 
     def _floating_message(self, src: int, dst: int, tag: int) -> bool:
         receiver = self.program.ranks[dst]
         return any(isinstance(action, RecvAction) and action.src == src and action.tag == tag and action.dtype in FLOATING for action in receiver.actions)
-
-    # --- a pipeline's schedule -------------------------------------------------------------------------
-
-    def _scheduled(self, segments: dict[Any, _Segment], rank: int) -> list[Task]:
-        actions = self.plan.pipeline.actions(rank)
-        splits = any(action.kind.value == "W" for action in actions)
-        backward_stages = {action.stage for action in actions if action.kind.value == "B"}
-        seeds = backward_seed_bytes(self.program, rank)
-        tasks: list[Task] = []
-        for key, segment in segments.items():
-            if key is not None and key[0] < 0:  # the prologue, once, without gradients
-                tasks += self._forward(segment, rank, keep=False, label="prologue")
-        for action in actions:
-            segment = segments.get((action.stage, action.microbatch), _Segment())
-            kind = action.kind.value
-            if kind == "F":
-                tasks += [Recv(message.src, releases=self._released(rank, Message(message.src, rank, message.tag, False)))
-                          for message in segment.inputs if message.src != rank]
-                tasks += self._forward(segment, rank, keep=action.stage in backward_stages, label=str(action))
-                tasks += [Send(message.dst, self.message_bytes.get((rank, message.dst, message.tag), 0)) for message in segment.outputs if message.dst != rank]
-            elif kind == "B":
-                seed = seeds.get((action.stage, action.microbatch), 0)  # held while B runs (until W when split)
-                tasks += [Recv(message.dst, releases=self._released(rank, Message(message.dst, rank, message.tag, True)))
-                          for message in segment.outputs if message.dst != rank and message.gradient]
-                tasks.append(Compute(0.0, "backward", str(action), activation_bytes=seed))
-                tasks += self._backward(segment, rank, 0.5 if splits else 1.0, release=not splits, label=str(action))
-                tasks += [] if splits else [Compute(0.0, "backward", str(action), activation_bytes=-seed)]
-                tasks += [Send(message.src, self.message_bytes.get((message.src, rank, message.tag), 0))
-                          for message in segment.inputs if message.src != rank and message.gradient]
-            else:
-                chunks = [item for item in segment.items if isinstance(item, _Chunk)]
-                seed = seeds.get((action.stage, action.microbatch), 0)
-                tasks.append(Compute(sum(item.backward * WEIGHT_PASS_SHARE + item.recompute for item in chunks), "weight",
-                                     str(action), activation_bytes=-(segment.kept + seed)))
-        return tasks
 
     def _released(self, rank: int, received: Message) -> int:
         """Bytes of the messages ``rank`` sent whose copies it drops on receiving ``received`` (``materialize.releases``)."""
@@ -261,37 +283,6 @@ class TaskBuilder:
 
     # --- gradient reduction and the optimizer step -------------------------------------------------------
 
-    def _replicated(self, rank: int) -> list[tuple[tuple[int, ...], int, int]]:
-        """``(ranks, padded bytes, numel)`` of each box this rank holds with others, in registration order."""
-        boxes = []
-        for group in self.program.gradient_groups:
-            if rank in group.ranks and len(group.ranks) > 1:
-                numel = math.prod(stop - start for start, stop in group.box)
-                padded = math.ceil(numel / len(group.ranks)) * len(group.ranks)
-                boxes.append((tuple(group.ranks), padded * self.element_bytes.get(group.name, 4), numel))
-        return boxes
-
-    def _reduction(self, rank: int) -> list[Task]:
-        everyone = tuple(range(self.program.world_size))
-        # runtime.executor: a plan that does not pipeline sums the loss while its gradients are summed; a pipeline
-        # starts the sum once its gradient sums are done, and waits for it before the optimizer step.
-        pipelined = self.program.pipelined
-        tasks: list[Task] = [] if pipelined else [CollectiveTask("all_reduce", everyone, 8, "loss sum", blocking=False)]
-        replicated = self._replicated(rank)
-        stage = self.plan.zero_stage
-        if stage == 0:
-            for ranks, nbytes in _buckets(replicated):
-                tasks.append(CollectiveTask("all_reduce", ranks, nbytes, "gradient bucket", blocking=False))
-        else:
-            tasks += [CollectiveTask("reduce_scatter", ranks, nbytes, "zero gradients") for ranks, nbytes in _zero_buckets(replicated)]
-        tasks.append(WaitCollectives("gradients"))
-        if pipelined:
-            tasks.append(CollectiveTask("all_reduce", everyone, 8, "loss sum"))
-        tasks.append(Compute(self.compute.optimizer_seconds(self._stepped(rank)), "optimizer", "AdamW"))
-        if stage == 1:
-            tasks += [CollectiveTask("all_gather", ranks, nbytes, "zero1 gather") for ranks, nbytes in _zero_buckets(replicated)]
-        return tasks
-
     def _stepped(self, rank: int) -> list[int]:
         """Element counts of the tensors rank's optimizer steps (its boxes, or its chunks of replicated ones under ZeRO)."""
         replicated = {(group.name, group.box): len(group.ranks) for group in self.program.gradient_groups if rank in group.ranks}
@@ -303,29 +294,6 @@ class TaskBuilder:
             numel = math.prod(stop - start for start, stop in local.box)
             numels.append(math.ceil(numel / replicas) if self.plan.zero_stage and replicas > 1 else numel)
         return numels
-
-
-def _zero_buckets(replicated: list[tuple[tuple[int, ...], int, int]]) -> list[tuple[tuple[int, ...], int]]:
-    """ZeRO's buckets: per ranks tuple, boxes in registration order cut at ``BUCKET_BYTES``, by ranks tuple."""
-    return sorted(_buckets(replicated, reverse=False), key=lambda bucket: bucket[0])
-
-
-def _buckets(replicated: list[tuple[tuple[int, ...], int, int]], reverse: bool = True) -> list[tuple[tuple[int, ...], int]]:
-    """Stage 0's buckets: per ranks tuple, boxes in reverse registration order cut at ``BUCKET_BYTES``."""
-    by_group: dict[tuple[int, ...], list[int]] = {}
-    for ranks, nbytes, _ in (reversed(replicated) if reverse else replicated):
-        by_group.setdefault(ranks, []).append(nbytes)
-    buckets = []
-    for ranks, sizes in by_group.items():
-        size = 0
-        for nbytes in sizes:
-            size += nbytes
-            if size >= BUCKET_BYTES:
-                buckets.append((ranks, size))
-                size = 0
-        if size:
-            buckets.append((ranks, size))
-    return buckets
 
 
 def plan_task_lists(plan: Any, compute: ComputeModel) -> list[list[Task]]:

@@ -129,7 +129,7 @@ def predict(plan: Any, spec: HardwareSpec | str = "a100", device: DeviceModel | 
     freed, gradients in flight), so that the columns add up to the allocator's peak.
     """
     spec = load_spec(spec) if isinstance(spec, str) else spec
-    device = (device or DeviceModel(spec, Roofline(spec))).for_ranks(plan.program.world_size)
+    device = (device or DeviceModel(spec, Roofline(spec))).for_ranks(plan.materialized.world_size)
     lists = plan_task_lists(plan, device)
     machine = Machine(spec.ranks_per_node, spec.cores_per_node, spec.busy_issue_s, spec.late_receive_seconds(len(lists)),
                       *spec.jitter(len(lists)))

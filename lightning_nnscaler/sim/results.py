@@ -85,9 +85,3 @@ class SimResult:
         """``1 - compute / (ranks × step)``."""
         total = self.step_seconds * len(self.ranks)
         return 1.0 - sum(rank.busy for rank in self.ranks) / total if total else 0.0
-
-
-class DeadlockError(RuntimeError):
-    """The lists cannot all finish: every unfinished rank waits for something no rank will do."""
-
-

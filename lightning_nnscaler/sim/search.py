@@ -3,7 +3,8 @@ traced graph and predicted by the simulator; the fastest that fits the memory li
 
 A candidate is a recipe and its parameters (``candidates``): data parallelism (dp, ZeRO 1 and 3), tensor
 parallelism at each degree (tp, hybrid dp × tp, sp), co-shard (shards, recompute), the pipelines (gpipe, 1f1b,
-zb1, zbv, vhalf, interleaved, 3f1b, interlaced: stages, microbatches, virtual stages) and dp × tp × pp (hybrid3d); 1f1b, zb1 and
+zb1, zbv, vhalf, dualpipev, interleaved, 3f1b, interlaced: stages, microbatches, virtual stages) and dp × tp × pp
+(hybrid3d); 1f1b, zb1 and
 hybrid3d also with per-stage choices (``RECOMPUTED_PIPELINES``): the first stage recomputed, every stage, then the
 first stage co-sharded (two pieces per rank of each split, each recomputed alone), every stage. Each is planned on a
 copy of the graph, checked as ``parallelize`` checks it (the recipe's own ``ValueError``, the coverage check),
@@ -26,19 +27,22 @@ from lightning_nnscaler.explain import human_bytes, memory_rows
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.materialize.dependencies import materialize
 from lightning_nnscaler.materialize.program import Program
+from lightning_nnscaler.materialize.steps import step_program
 from lightning_nnscaler.plans.catalog import apply_recipe
 from lightning_nnscaler.plans.context import PipelinePlan
 from lightning_nnscaler.plans.coverage import check_coverage
 from lightning_nnscaler.plans.layout import RecipeLayout
 from lightning_nnscaler.plans.propagate import recording_refusals
+from lightning_nnscaler.program import BUCKET_BYTES, Program as StepProgram
 from lightning_nnscaler.sim.predict import DeviceModel, predict
 from lightning_nnscaler.sim.specs import HardwareSpec, load_spec
 
 FAMILIES = (
-    "dp", "zero1", "zero3", "tp", "sp", "hybrid", "coshard", "gpipe", "1f1b", "zb1", "zbv", "vhalf", "interleaved", "3f1b", "interlaced", "hybrid3d",
+    "dp", "zero1", "zero3", "tp", "sp", "hybrid", "coshard", "gpipe", "1f1b", "zb1", "zbv", "vhalf", "dualpipev", "interleaved", "3f1b",
+    "interlaced", "hybrid3d",
 )
 """The catalog recipes the search explores, cheapest to plan first (ties in predicted time keep this order)."""
-PIPELINES = ("gpipe", "1f1b", "zb1", "zbv", "vhalf", "interleaved", "3f1b", "interlaced")
+PIPELINES = ("gpipe", "1f1b", "zb1", "zbv", "vhalf", "dualpipev", "interleaved", "3f1b", "interlaced")
 MICROBATCH_CHOICES = 3  # per stage count: the smallest divisors of the replica's batch that are >= stages
 RECOMPUTED_PIPELINES = ("1f1b", "zb1", "hybrid3d")
 """Searched with per-stage choices too (``STAGE_OPTIONS``): recomputed, then co-sharded, the first stage (under 1F1B
@@ -83,14 +87,15 @@ class BuiltPlan:
 
     graph: Graph
     planned: Graph
-    program: Program
+    materialized: Program
+    program: StepProgram
     layout: RecipeLayout
     zero_stage: int = 0
     pipeline: PipelinePlan | None = None
 
     def memory_rows(self) -> list[dict[str, int]]:
         """Per rank, ``explain.memory_rows`` (as ``Plan.memory_rows``)."""
-        return memory_rows(self.program, self.graph.parameters, self.pipeline, zero_stage=self.zero_stage)
+        return memory_rows(self.materialized, self.graph.parameters, self.pipeline, zero_stage=self.zero_stage)
 
 
 @dataclass
@@ -252,6 +257,8 @@ def candidates(world_size: int, batch_rows: int, families: Sequence[str] = FAMIL
         for recipe in ("gpipe", "1f1b", "zb1", "zbv", "vhalf", "interlaced"):
             for count in microbatches(replicas, stages):
                 add(recipe, stages=stages, microbatches=count)
+        for count in microbatches(replicas, 2 * stages):  # DualPipeV: at least one microbatch per stage of the V
+            add("dualpipev", stages=stages, microbatches=count)
         for count in microbatches(replicas, stages, multiple_of=stages):
             add("interleaved", stages=stages, microbatches=count, virtual_stages=2)
             add("3f1b", stages=stages, microbatches=count)
@@ -276,7 +283,10 @@ def build(graph: Graph, world_size: int, candidate: Candidate) -> BuiltPlan:
     check_coverage(planned, graph, world_size, recipe=candidate.recipe, refusals=refusals,
                    model_parallel=world_size // context.layout.data_parallel)
     program = materialize(planned, world_size, validate=False)
-    return BuiltPlan(graph, planned, program, context.layout, context.zero_stage, context.pipeline)
+    lists = [context.pipeline.actions(rank) for rank in range(world_size)] if context.pipeline else None
+    dtypes = {tensor.name: tensor.dtype for tensor in graph.parameters}
+    steps = step_program(program, lists, dtypes, zero_stage=context.zero_stage, bucket_bytes=BUCKET_BYTES)
+    return BuiltPlan(graph, planned, program, steps, context.layout, context.zero_stage, context.pipeline)
 
 
 def batch_rows(graph: Graph) -> int:

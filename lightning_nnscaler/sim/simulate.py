@@ -27,9 +27,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lightning_nnscaler.ir.validate import DeadlockError
 from lightning_nnscaler.sim.events import EventRun
 from lightning_nnscaler.sim.replay import ListRun
-from lightning_nnscaler.sim.results import CommunicationModel, DeadlockError, Machine, RankStats, SimResult, Span
+from lightning_nnscaler.sim.results import CommunicationModel, Machine, RankStats, SimResult, Span
 from lightning_nnscaler.sim.tasks import Task
 
 __all__ = ["CommunicationModel", "DeadlockError", "Machine", "RankStats", "SimResult", "Span", "simulate"]

@@ -62,7 +62,10 @@ def fill_module(
             if len(holders[location]) == world_size and all(holders[location]):
                 continue
             target = targets[location.state_key]
-            values = mine[location].detach() if owner == rank else torch.empty(location.shape, dtype=dtype, device=target.device)
+            if owner == rank:  # contiguous: a piece may be a view of a larger tensor
+                values = mine[location].detach().contiguous()
+            else:
+                values = torch.empty(location.shape, dtype=dtype, device=target.device)
             broadcast(values, owner)
             write_piece(target, location, values)
         for location, tensor in held:
@@ -92,7 +95,10 @@ def gather_state(
         for location, ranks in holders.items():
             owner = to if to in ranks else ranks[0]
             if owner != to:
-                values = mine[location].detach() if owner == rank else torch.empty(location.shape, dtype=dtypes[location], device=_device(held))
+                if owner == rank:  # contiguous: a piece may be a view of a larger tensor
+                    values = mine[location].detach().contiguous()
+                else:
+                    values = torch.empty(location.shape, dtype=dtypes[location], device=_device(held))
                 broadcast(values, owner)
             else:
                 values = mine[location].detach() if rank == to else None

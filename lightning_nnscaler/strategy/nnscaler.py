@@ -28,8 +28,12 @@ step happens:
 - **step time**: rank 0 predicts the first plan's step with the simulator on the spec matching its
   device and logs it with the plan; it times every optimizer step and logs the median at the end of
   the fit, with its ratio to the prediction (``strategy.step_timing``, ``strategy.plan_logging``).
-- **validation / test / predict** run the user's own steps on the full LightningModule, refreshed
-  from every rank's shards first (``_refresh_module``); so does the end of training.
+- **validation / test / predict**: each step is planned forward-only with the recipe and run over the training
+  plan's pieces (``strategy.evaluation``); ``predict_step``'s prediction comes back whole, each rank its own
+  batch's rows. A step the plan cannot run runs on the full LightningModule, refreshed from every rank's pieces
+  first (``_refresh_module``), as at the end of training; on a module built on meta it is refused.
+- **pretrained weights** (``pretrained=``): each rank reads only its pieces' slices of a safetensors source
+  (``checkpoint.pretrained``) for a module on meta; an eager module's values are replaced at setup.
 - **checkpoints** are sharded directories: every rank writes its own pieces atomically, rank 0 the
   rest of Lightning's checkpoint and, last, the metadata (``strategy.checkpoint``,
   ``lightning_nnscaler.checkpoint``). Loading assembles the single-device checkpoint, so a run
@@ -103,8 +107,13 @@ from lightning_nnscaler.strategy.checkpoint import (
     single_device_param_groups,
 )
 from lightning_nnscaler.strategy.failures import ReportingScriptLauncher
-from lightning_nnscaler.strategy.evaluation import EVALUATION_CONTEXTS, EvaluationCall, forward_only
-from lightning_nnscaler.strategy.full_module import assign_state_dict, fill_module, gather_state, held_pieces, restore_pieces
+from lightning_nnscaler.strategy.evaluation import (
+    EVALUATION_CONTEXTS, EvaluationCall, EvaluationPlan, forward_only, planned_prediction, planning_step, release_gradients,
+)
+from lightning_nnscaler.checkpoint.pretrained import PretrainedWeights, safetensors_files
+from lightning_nnscaler.strategy.full_module import (
+    assign_state_dict, fill_module, gather_state, held_pieces, restore_pieces,
+)
 from lightning_nnscaler.strategy.gradients import (
     GradientStash, broadcast_buffers, clip_grad_norm, gradient_holders, move_param_groups, piece_locations, replica_counts, zero_grad_observers,
 )
@@ -144,6 +153,12 @@ class NnScalerStrategy(ParallelStrategy):
             or the optimizer could tell the difference (``overlap_off_reasons`` says why).
         bucket_cap_mb: Size of the gradient buckets summed during backward, in MiB (DDP's
             ``bucket_cap_mb``; default 25).
+        pretrained: Pretrained weights to start from: a ``.safetensors`` file or a Hugging Face style directory
+            (``model.safetensors``, or shards with their ``*.safetensors.index.json``), stored under the module's
+            state_dict keys. A module built on meta (``Trainer.init_module()``, ``configure_model()``) takes its pieces
+            from them instead of its recorded initialization, each rank reading only its own pieces' slices
+            (``checkpoint.pretrained``); an eager module's values are replaced by them at setup (every rank reads them
+            whole). A checkpoint loaded with ``ckpt_path`` wins; ``bytes_read`` counts what a rank read.
         allow_partial: Accept a plan that leaves whole (replicated) some ops the recipe means to
             split, e.g. attention whose heads its pieces do not divide, with a ``PartialPlanWarning``
             saying how much of the model was split. By default such a recipe is refused at setup.
@@ -152,6 +167,8 @@ class NnScalerStrategy(ParallelStrategy):
     Raises:
         RecipeError: the recipe is not in the catalog, or a parameter is unknown, missing, of the wrong type or below its minimum.
         ValueError: a ``timeout``, ``start_method`` or ``bucket_cap_mb`` that cannot work.
+        CheckpointError: ``pretrained`` is no safetensors file or directory of them; at setup, a key of the module is
+            not in it or is stored with another shape (the message names the key and both shapes).
     """
 
     def __init__(
@@ -167,6 +184,7 @@ class NnScalerStrategy(ParallelStrategy):
         allow_partial: bool = False,
         overlap_optimizer: bool = True,
         bucket_cap_mb: Optional[float] = None,
+        pretrained: Optional[Union[str, os.PathLike]] = None,
         **recipe_params: Any,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
@@ -186,6 +204,13 @@ class NnScalerStrategy(ParallelStrategy):
         self.allow_partial = allow_partial
         self.overlap_optimizer = overlap_optimizer
         self.bucket_cap_mb = bucket_cap_mb
+        self.pretrained = pretrained
+        if pretrained is not None:
+            safetensors_files(pretrained)  # no such file, or no safetensors in it: refused before anything runs
+        self._pretrained: Optional[PretrainedWeights] = None
+        self._pretrained_pending = pretrained is not None
+        """An eager module's values are still to be replaced by the pretrained weights (at the first setup, unless a
+        checkpoint was loaded before)."""
         self.overlap_off_reasons: list[str] = []
         """Why the optimizer step is not overlapped with the gradient sums (set at the first batch)."""
         self._overlap: Optional[OverlappedStep] = None
@@ -198,12 +223,14 @@ class NnScalerStrategy(ParallelStrategy):
         self._group_keys: list[list[list[str]]] = []
         self._locations: dict[int, PieceLocation] = {}
         self._module_is_stale = False
-        self._evaluation_plans: dict[tuple, Optional[list[tuple[Plan, RankExecutor]]]] = {}
+        self._evaluation_plans: dict[tuple, Optional[list[EvaluationPlan]]] = {}
+        self._unplanned: dict[tuple, str] = {}
+        """Why each evaluation step (by ``EvaluationCall.key``) runs on the full module."""
         self._init_records: list[InitRecord] = []
         self._pending_pieces: Optional[str] = None
         """A sharded checkpoint to read this rank's slices of once the plan says which (a module built on meta)."""
-        self.bytes_read = 0
-        """Bytes this rank read from checkpoints per slice (``restore_pieces``)."""
+        self._checkpoint_bytes_read = 0
+        """Bytes this rank read from sharded checkpoints per slice (``restore_pieces``)."""
         self.compile_context: Any = None
         """The ``torch.compile`` context of a compiled module the user passed (its steps are planned uncompiled)."""
         """What ``tensor_init_context`` recorded: the initial values of the module's meta tensors."""
@@ -213,6 +240,11 @@ class NnScalerStrategy(ParallelStrategy):
         """Rank 0: the simulated step of the first plan (``step_timing.predict_step``; None if it failed)."""
         self.step_timer: Optional[StepTimer] = None
         """Rank 0: this fit's optimizer step times (``step_timing.StepTimer``); its median is logged at the end."""
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes this rank read per slice, from checkpoints (``restore_pieces``) and pretrained weights."""
+        return self._checkpoint_bytes_read + (self._pretrained.bytes_read if self._pretrained is not None else 0)
 
     # --- devices, ranks, launch ----------------------------------------------------------------
 
@@ -332,6 +364,13 @@ class NnScalerStrategy(ParallelStrategy):
             self._layout = check_supported(
                 self.lightning_module, self.recipe, self.recipe_params, self.world_size, allow_partial=self.allow_partial
             )
+        if self.pretrained is not None:  # every key and shape checked before anything is planned
+            read_before = self._pretrained.bytes_read if self._pretrained is not None else 0
+            self._pretrained = PretrainedWeights.of_module(self.pretrained, self.lightning_module)
+            self._pretrained.bytes_read = read_before
+            if self._pretrained_pending and not has_meta_tensors(self.lightning_module):  # a module on meta reads per piece
+                self._pretrained.load_into(self.lightning_module)
+            self._pretrained_pending = False
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._broadcast_module_state()
@@ -410,6 +449,8 @@ class NnScalerStrategy(ParallelStrategy):
         Raises:
             MisconfigurationException: the tensor lies on meta but was not built under ``tensor_init_context``.
         """
+        if self._pretrained is not None and location.state_key in self._pretrained.names:
+            return self._pretrained.read_piece(location, tensor.dtype).to(self.root_device)
         record = next((record for record in self._init_records if record.owns(tensor)), None)
         if record is None:
             raise MisconfigurationException(
@@ -456,7 +497,7 @@ class NnScalerStrategy(ParallelStrategy):
         with self.precision_plugin.train_step_context():
             plan = plan_training_step(
                 module, batch, self.recipe, self.recipe_params, world_size, self._all_gather_objects, allow_partial=self.allow_partial,
-                batch_idx=batch_idx,
+                batch_idx=batch_idx, bucket_bytes=None if self.bucket_cap_mb is None else int(self.bucket_cap_mb * 2**20),
             )
         code = module_from_source(plan.sources[rank], f"nnscaler_rank{rank}_{plan.plan_hash[:12]}")
         if not first:
@@ -476,7 +517,7 @@ class NnScalerStrategy(ParallelStrategy):
         communicator = TorchDistributedCommunicator(timeout=self.timeout)
         self.executor = RankExecutor(
             code, rank, state, plan.graph.constant_values, communicator, self.root_device, input_offsets=plan.input_offsets(rank),
-            bucket_bytes=None if self.bucket_cap_mb is None else int(self.bucket_cap_mb * 2**20), share_parameters=True,
+            share_parameters=True,
             materialize=self._materialize_piece,
         )
         self.plan = plan
@@ -484,7 +525,7 @@ class NnScalerStrategy(ParallelStrategy):
         self._group_keys = [move_param_groups(optimizer, module, self.executor) for optimizer in self.optimizers]
         self._locations = piece_locations(self.executor)
         if self._pending_pieces is not None:  # resuming a module built on meta: this rank's slices of the checkpoint
-            self.bytes_read += restore_pieces(self._pending_pieces, module, self.executor, self.optimizers, self._locations)
+            self._checkpoint_bytes_read += restore_pieces(self._pending_pieces, module, self.executor, self.optimizers, self._locations)
             self._pending_pieces = None
         trainer = module.trainer
         self._gradient_stash = GradientStash(gradient_holders(self.executor), keep_earlier=bool(zero_grad_observers(module, trainer.callbacks)))
@@ -622,12 +663,19 @@ class NnScalerStrategy(ParallelStrategy):
     @override
     def on_validation_start(self) -> None:
         """Keep the full module current for the loop's hooks (the steps run through the plan, ``strategy.evaluation``)."""
-        self._refresh_module()
+        self._start_evaluation()
 
     @override
     def on_test_start(self) -> None:
         """Keep the full module current for the loop's hooks (the steps run through the plan, ``strategy.evaluation``)."""
+        self._start_evaluation()
+
+    def _start_evaluation(self) -> None:
+        """Refresh the full module; outside a fit, drop the last step's gradients no one can read (``strategy.evaluation``)."""
         self._refresh_module()
+        module = self.lightning_module
+        if self.executor is not None and module is not None and module.trainer.state.fn != TrainerFn.FITTING:
+            release_gradients(self.executor, module)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -645,11 +693,11 @@ class NnScalerStrategy(ParallelStrategy):
         context = getattr(self.precision_plugin, EVALUATION_CONTEXTS[call.step])
         held = self._evaluation_plan(call)
         if held is None:
-            self._refuse_on_meta(call.step)
+            self._refuse_on_meta(call.step, self._unplanned.get(call.key, ""))
             self._refresh_module()
             with context():
                 return getattr(module, call.step)(*args, **kwargs)
-        plan, executor = held
+        plan, executor = held.plan, held.executor
         executor.set_constants(plan.step_values.constants(self._step_quantities(call.batch_idx)))
         inputs = graph_inputs(plan, call.batch, self.layout)
         if reads_other_rows(self.layout, plan.data_layout, self.world_size):
@@ -659,15 +707,17 @@ class NnScalerStrategy(ParallelStrategy):
         if plan.logged is not None:  # this rank's replica's values, as under ddp
             for name, logged, options in plan.logged.logs(executor.values, self.layout.replica(self.global_rank), module):
                 module.log(name, logged, **options)
+        if held.prediction is not None:  # this rank's replica's rows of the prediction, as ddp's rank predicts its own batch
+            return held.prediction.of_replica(plan, executor, self.layout.replica(self.global_rank))
         return value if plan.returned == "value" else None
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The user's ``predict_step`` on the full LightningModule, refreshed from the pieces."""
-        self._refuse_on_meta("predict_step")
-        return super().predict_step(*args, **kwargs)
+        """The user's ``predict_step`` planned forward-only over the training pieces (``strategy.evaluation``); each rank
+        gets its own batch's prediction, whole."""
+        return self._evaluation_step(EvaluationCall.of("predict_step", args, kwargs), args, kwargs)
 
-    def _refuse_on_meta(self, step: str) -> None:
+    def _refuse_on_meta(self, step: str, reason: str = "") -> None:
         """Raise where a step must run on the full module but the module was built on the meta device.
 
         Raises:
@@ -676,12 +726,13 @@ class NnScalerStrategy(ParallelStrategy):
         module = self.lightning_module
         if module is not None and has_meta_tensors(module):
             raise MisconfigurationException(
-                f"{type(module).__name__}.{step} must run on the whole module (the plan cannot run it), but the module was built on "
+                f"{type(module).__name__}.{step} must run on the whole module (the plan cannot run it{': ' + reason if reason else ''}), "
+                "but the module was built on "
                 "the meta device (Trainer.init_module() / configure_model()) and no rank holds it whole. Run it on a module with "
                 "real weights: strategy.full_state_dict() or `lightning-nnscaler ckpt merge` give them"
             )
 
-    def _evaluation_plan(self, call: EvaluationCall) -> Optional[tuple[Plan, RankExecutor]]:
+    def _evaluation_plan(self, call: EvaluationCall) -> Optional[EvaluationPlan]:
         """The plan and executor for ``call`` (planned on the first call of its shapes and per-step outcomes), or
         None where the step runs on the full module (said once per step and shapes)."""
         module = self.lightning_module
@@ -690,19 +741,20 @@ class NnScalerStrategy(ParallelStrategy):
         if known is None:
             return None
         values = self._step_quantities(call.batch_idx)
-        for plan, executor in known:
-            if plan.step_values.failed_guard(values) is None:
-                plan.step_values.check(module)
-                return plan, executor
+        for held in known:
+            if held.plan.step_values.failed_guard(values) is None:
+                held.plan.step_values.check(module)
+                return held
         reason, held = self._plan_evaluation(call, known)
         if held is None:
             self._evaluation_plans[call.key] = None
+            self._unplanned[call.key] = reason
             rank_zero_warn(f"NnScalerStrategy runs {type(module).__name__}.{call.step} on the full LightningModule: {reason}")
             return None
         self._evaluation_plans[call.key] = [*known, held]
         return held
 
-    def _plan_evaluation(self, call: EvaluationCall, known: list) -> tuple[str, Optional[tuple[Plan, RankExecutor]]]:
+    def _plan_evaluation(self, call: EvaluationCall, known: list) -> tuple[str, Optional[EvaluationPlan]]:
         """Plan ``call``'s step and build its executor on every rank alike, or say why not (the same on every rank)."""
         if self.recipe == "auto":
             return "recipe 'auto' searches plans for training_step only", None
@@ -711,12 +763,13 @@ class NnScalerStrategy(ParallelStrategy):
         context = getattr(self.precision_plugin, EVALUATION_CONTEXTS[call.step])
         held, reason = None, ""
         try:
-            with context():
+            with context(), planning_step(self.lightning_module, call.step) as prediction:
                 plan = plan_training_step(
                     self.lightning_module, call.batch, self.recipe, self.recipe_params, self.world_size, self._all_gather_objects,
                     allow_partial=self.allow_partial, batch_idx=call.batch_idx, step=call.step, step_args=call.extra,
                 )
-            held = (plan, self._evaluation_executor(plan))
+            prediction = planned_prediction(plan, prediction) if prediction is not None else None
+            held = EvaluationPlan(plan, self._evaluation_executor(plan), prediction)
         except (MisconfigurationException, ValueError) as error:
             reason = str(error)
         if not all(self._all_gather_objects(held is not None)):  # a plan whose pieces differ on one rank runs nowhere
@@ -744,13 +797,13 @@ class NnScalerStrategy(ParallelStrategy):
             materialize=self._materialize_piece,
         )
         if self._pending_pieces is not None:  # evaluating a checkpoint of a module built on meta
-            self.bytes_read += restore_pieces(self._pending_pieces, module, executor, None, {})
+            self._checkpoint_bytes_read += restore_pieces(self._pending_pieces, module, executor, None, {})
         return executor
 
     @override
     def on_predict_start(self) -> None:
         """Predict with the current weights: refresh the full module from the pieces."""
-        self._refresh_module()
+        self._start_evaluation()
 
     @override
     def on_train_start(self) -> None:
@@ -831,6 +884,7 @@ class NnScalerStrategy(ParallelStrategy):
         meta a sharded directory is not assembled: Lightning gets its loops, callbacks and optimizer
         hyperparameters, and each rank reads only its own pieces' slices once the plan says which
         (``full_module.restore_pieces``)."""
+        self._pretrained_pending = False  # the checkpoint's weights win over the pretrained ones
         if sharded_checkpoint.is_sharded_checkpoint(checkpoint_path):
             module = self.lightning_module
             if module is not None and has_meta_tensors(module):  # each rank reads its slices once planned

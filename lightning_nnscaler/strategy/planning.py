@@ -59,7 +59,7 @@ def _usage_example(recipe: str) -> str:
 def plan_training_step(
     module: LightningModule, batch: Any, recipe: str, params: dict[str, Any], world_size: int,
     gather: Callable[[Any], list[Any]], *, allow_partial: bool = False, batch_idx: int = 0, step: str = "training_step",
-    step_args: tuple = (),
+    step_args: tuple = (), bucket_bytes: int | None = None,
 ) -> Plan:
     """Trace ``module.training_step`` (or the evaluation ``step``, called with ``step_args`` after ``batch_idx``) on the whole batch of ``batch``'s shapes and plan it with ``recipe``
     for ``world_size`` ranks.
@@ -67,7 +67,7 @@ def plan_training_step(
     ``batch`` is this rank's data-parallel replica's batch; the step is traced on a whole batch of
     ``replicas × batch`` rows (``whole_batch``), so every rank plans the same program whatever its
     samples (planning is deterministic); ``gather`` (a collective) compares the plan hashes, so no
-    rank runs code another did not plan.
+    rank runs code another did not plan. ``bucket_bytes``: the gradient buckets' size (the strategy's ``bucket_cap_mb``).
 
     Raises:
         MisconfigurationException: the step cannot be traced or the recipe cannot plan it (the
@@ -80,7 +80,7 @@ def plan_training_step(
                 warnings.simplefilter("ignore", GlobalMeanWarning)
             plan = parallelize(
                 module, whole_batch(batch, replicas), recipe, world_size, step=step, batch_idx=batch_idx, step_args=step_args,
-                allow_partial=allow_partial, progress=rank_zero_info, rank=module.global_rank, **params,
+                allow_partial=allow_partial, progress=rank_zero_info, rank=module.global_rank, bucket_bytes=bucket_bytes, **params,
             )
     except Exception as error:  # noqa: BLE001 - every planning failure gets the recipe and the fix
         hint = (

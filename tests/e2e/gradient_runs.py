@@ -37,7 +37,7 @@ def gradient_storage(strategy: Any) -> dict[str, Any]:
     """Where an nnscaler rank's replicated gradients live: whether each is a view of its bucket's one
     buffer, and the bytes of the buckets and of the gradients."""
     reducer = strategy.executor.reducer
-    buckets = [bucket for queue in reducer._queues.values() for bucket in queue.buckets]
+    buckets = list(reducer._buckets)
     views = []
     for bucket in buckets:
         storage = bucket.buffer.untyped_storage().data_ptr()
@@ -46,7 +46,22 @@ def gradient_storage(strategy: Any) -> dict[str, Any]:
         "buckets": len(buckets), "all_views": bool(views) and all(views),
         "bucket_bytes": sum(bucket.buffer.numel() * bucket.buffer.element_size() for bucket in buckets),
         "gradient_bytes": sum(parameter.numel() * parameter.element_size() for bucket in buckets for parameter in bucket.parameters),
+        "bucket_sizes": [bucket.buffer.numel() * bucket.buffer.element_size() for bucket in buckets],
+        "simulated_bucket_sizes": simulated_bucket_sizes(strategy),
     }
+
+
+def simulated_bucket_sizes(strategy: Any) -> list[int]:
+    """The bytes of each gradient sum the simulator prices for this rank's step (what the predicted step logged to W&B runs)."""
+    from lightning_nnscaler.sim.costs import Roofline
+    from lightning_nnscaler.sim.from_plan import plan_task_lists
+    from lightning_nnscaler.sim.predict import DeviceModel
+    from lightning_nnscaler.sim.specs import load_spec
+
+    plan = strategy.plan
+    spec = load_spec("cpu")
+    tasks = plan_task_lists(plan, DeviceModel(spec, Roofline(spec)).for_ranks(plan.world_size))[strategy.global_rank]
+    return [task.nbytes for task in tasks if task.label.startswith("REDUCE")]
 
 
 def fit(strategy: Any, *, devices: int, steps: int, accumulate: int = 1, clip: float | None = None) -> dict[str, Any]:

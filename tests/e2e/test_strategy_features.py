@@ -116,7 +116,7 @@ def test_validate_test_predict_match_ddp_and_single_device(runs: tuple[Path, dic
         torch.testing.assert_close(ours["state"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
     assert ours["validate"]["val_loss"] == pytest.approx(ddp["validate"]["val_loss"], rel=1e-5)
     assert ours["test"]["test_loss"] == pytest.approx(ddp["test"]["test_loss"], rel=1e-5)
-    assert ours["evaluated_by"] == {"validation_step": "plan", "test_step": "plan"}  # forward-only plans over the pieces
+    assert ours["evaluated_by"] == {"validation_step": "plan", "test_step": "plan", "predict_step": "plan"}  # forward-only plans over the pieces
     # Single device: the trained weights evaluated eagerly, batch by batch as the loops do.
     model = build_evaluated_model()
     model.load_state_dict(ours["state"])

@@ -53,6 +53,7 @@ def test_gradients_are_views_of_one_bucket_buffer_and_training_equals_ddp(result
         assert actual["off_reasons"] == [], f"rank {rank}: the overlap is off: {actual['off_reasons']}"
         assert actual["buckets"] > 1 and actual["all_views"], f"rank {rank}: {actual['buckets']} buckets, every gradient a view: {actual['all_views']}"
         assert actual["bucket_bytes"] == actual["gradient_bytes"]  # one copy of the gradients
+        assert actual["simulated_bucket_sizes"] == actual["bucket_sizes"]  # the simulator prices the buckets bucket_cap_mb made
         assert actual["bucket_steps"] == actual["buckets"] * STEPS  # every bucket of every step stepped as its sum arrived
         assert_trains_like(actual, by_label[run.replace("nnscaler", "ddp")], f"rank {rank} {run}")
 

@@ -17,8 +17,8 @@ def test_explain_reports_sharded_parameters_and_communication() -> None:
     whole = sum(parameter.numel() * 4 for parameter in model.parameters())
     dp = lnn.parallelize(model, batch, "dp", 2, step="training_step")
     tp = lnn.parallelize(model, batch, "tp", 2, step="training_step", communication_cost=AlphaBeta(alpha=0.0, launch=0.0))
-    assert explain_rank(dp.program, 0)["parameters"] == whole
-    tp_rank = explain_rank(tp.program, 0)
+    assert explain_rank(dp.materialized, 0)["parameters"] == whole
+    tp_rank = explain_rank(tp.materialized, 0)
     assert tp_rank["parameters"] < 0.75 * whole  # attention and MLP weights are halved
     assert tp_rank["optimizer"] == 2 * tp_rank["parameters"]
     assert tp_rank["communication"] > 0

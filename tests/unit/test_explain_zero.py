@@ -63,7 +63,8 @@ class CountingCommunicator:
 
 
 def _bytes(tensors: Any) -> int:
-    return sum(tensor.numel() * tensor.element_size() for tensor in tensors if tensor is not None)
+    """Bytes the tensors' storage holds (a ZeRO-3 box freed between steps keeps its shape over an empty storage)."""
+    return sum(min(tensor.numel() * tensor.element_size(), tensor.untyped_storage().nbytes()) for tensor in tensors if tensor is not None)
 
 
 def measure(plan: lnn.Plan) -> list[dict[str, int]]:
@@ -92,8 +93,8 @@ def measure(plan: lnn.Plan) -> list[dict[str, int]]:
         executor.forward_backward(plan.replica_inputs(rank, inputs))
         optimizer.step()
         executor.after_optimizer_step()
-        buckets = [bucket.buffer for queue in reducer._queues.values() for bucket in queue.buckets]
-        bucketed = {id(parameter) for queue in reducer._queues.values() for bucket in queue.buckets for parameter in bucket.parameters}
+        buckets = [bucket.buffer for bucket in reducer._buckets]
+        bucketed = {id(parameter) for bucket in reducer._buckets for parameter in bucket.parameters}
         own_gradients = [box.grad for box in boxes if id(box) not in bucketed]
         moments = [value for entry in optimizer.state.values() for key, value in entry.items() if key != "step"]
         return {

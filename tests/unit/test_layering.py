@@ -15,15 +15,16 @@ ALLOWED: dict[str, set[str]] = {
     "_import_hooks": set(),
     "ir": set(),
     "models": set(),
-    "launch": {"runtime"},  # runtime.failures: the first failing rank, named across ranks
+    "launch": {"ir", "runtime"},  # ir.errors: the package's one base exception  # runtime.failures: the first failing rank, named across ranks
     "recipes": set(),
     "capture": {"ir"},
     "primitives": {"ir"},
-    "schedules": {"ir"},
+    "program": set(),  # the step's actions, buckets and lowering passes: plain data every later stage reads
+    "schedules": {"ir", "program"},
     "plans": {"ir", "primitives", "schedules"},
-    "materialize": {"ir"},
-    "codegen": {"ir", "materialize"},
-    "runtime": {"ir"},
+    "materialize": {"ir", "program"},
+    "codegen": {"ir", "materialize", "program"},
+    "runtime": {"ir", "program"},
     "verify": {"ir", "primitives"},  # replica_reference cuts BatchNorm per replica with op_trans
     "checkpoint": {"ir"},
     "init": {"ir"},  # deferred initialization: a module recorded on meta, its pieces materialized per rank
@@ -32,13 +33,14 @@ ALLOWED: dict[str, set[str]] = {
     "replica_buffers": {"ir", "capture"},
     "explain": {"ir", "materialize", "plans"},
     "parallelize": {
-        "ir", "capture", "plans", "schedules", "materialize", "codegen", "runtime", "verify", "draw", "explain", "logged_values", "replica_buffers", "sim",
+        "ir", "capture", "plans", "schedules", "program", "materialize", "codegen", "runtime", "verify", "draw", "explain", "logged_values",
+        "replica_buffers", "sim",
     },
     "strategy": {"ir", "capture", "plans", "codegen", "runtime", "checkpoint", "init", "parallelize", "explain", "sim"},
     "data": set(),
     "draw": {"explain", "sim"},  # the picture is the simulator's timeline
-    "sim": {"ir", "materialize", "schedules", "plans", "explain"},  # the simulator reads plans; nothing below imports it
-    "app": {"data", "draw", "explain", "parallelize", "plans", "sim", "strategy"},
+    "sim": {"ir", "materialize", "schedules", "program", "plans", "explain"},  # the simulator reads plans; nothing below imports it
+    "app": {"ir", "data", "draw", "explain", "parallelize", "plans", "sim", "strategy"},
     "train": {"app"},
     "cli": {"ir", "plans", "recipes", "checkpoint", "parallelize", "app"},
 }
@@ -93,4 +95,35 @@ def test_nothing_outside_the_strategy_imports_its_private_names() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_nnscaler.strategy"):
                 offenders += [f"{path.name}: {alias.name}" for alias in node.names if alias.name.startswith("_")]
+    assert not offenders, offenders
+
+
+def module_constants(folder: str) -> dict[str, Path]:
+    """Module-level UPPER_CASE names assigned in the modules of ``folder`` (a stage), by name."""
+    found = {}
+    for path in sorted((PACKAGE / folder).rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            found.update({target.id: path for target in targets if isinstance(target, ast.Name) and target.id.isupper()})
+    return found
+
+
+def test_the_simulator_copies_no_runtime_constant() -> None:
+    """A value the runtime uses (a bucket size) is the program's, imported by both, so the simulator prices what runs."""
+    copied = sorted(set(module_constants("sim")) & set(module_constants("runtime")))
+    assert not copied, f"sim/ and runtime/ each define {copied}: define it once where both import it (program/)"
+
+
+def test_only_the_schedules_and_the_program_lowering_make_actions() -> None:
+    """Nothing but the schedule generators and program/'s passes orders actions; the runtime only reads its PROGRAM."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        stage = path.relative_to(PACKAGE).parts[0]
+        if stage in ("program", "schedules"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = ast.unparse(node.func)
+                if name in ("Action", "Action.step") or (name == "Action.parse" and stage != "runtime"):
+                    offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {name}(...)")
     assert not offenders, offenders

@@ -51,6 +51,32 @@ def test_generated_code_matches_snapshot(rank: int) -> None:
     compile(source, str(path), "exec")
 
 
+class FourLayers(nn.Module):
+    """Four linear layers: two pipeline stages of two layers, or ZeRO boxes in several buckets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.layers(x)).sum()
+
+
+@pytest.mark.parametrize(("recipe", "rank", "params"), [
+    ("1f1b", 1, {"stages": 2, "microbatches": 2}),  # the last stage: boundary receives, its loss, gradients back
+    ("zero3", 0, {"bucket_bytes": 300}),  # ZeRO-3: GATHER, REDUCE and FREE of several buckets
+])
+def test_a_pipeline_rank_and_a_zero3_rank_match_their_snapshots(recipe: str, rank: int, params: dict) -> None:
+    torch.manual_seed(0)
+    plan = lnn.parallelize(FourLayers(), (torch.randn(4, 8),), recipe, 2, **params)
+    source = plan.sources[rank].replace(plan.plan_hash[:12], "<plan hash>")
+    path = SNAPSHOTS / f"four_layers_{recipe}_rank{rank}.py"
+    if os.environ.get("UPDATE_SNAPSHOTS"):
+        path.write_text(source)
+    assert source == path.read_text(), "generated code changed; review the diff and rerun with UPDATE_SNAPSHOTS=1"
+    compile(source, str(path), "exec")
+
+
 def test_saved_code_is_reused_and_edits_are_refused(tmp_path: Path) -> None:
     program = materialize(megatron_two_layers(), 2)
     sources = [emit_rank(program, rank, "h", "t") for rank in range(2)]

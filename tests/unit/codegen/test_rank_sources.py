@@ -51,14 +51,13 @@ def test_the_lazy_sources_pickle_and_save_as_the_list_they_stand_for(tmp_path: P
 
 
 def test_one_ranks_posts_and_releases_are_its_part_of_every_ranks() -> None:
-    inline = gpt_plan("hybrid", 4, dp=2, tp=2).program  # posts: inline messages; releases: a pipeline's boundary messages
+    inline = gpt_plan("hybrid", 4, dp=2, tp=2).materialized  # posts: inline messages; releases: a pipeline's boundary messages
     every_post = receive_posts(inline)
     assert every_post
     for rank in range(4):
         assert receive_posts(inline, rank) == {key: value for key, value in every_post.items() if key[1] == rank}
     plan = dp_tp_pp_plan(None)
-    schedules = [[str(action) for action in plan.pipeline.actions(rank)] for rank in range(8)]
-    every_release = pipeline_releases(plan.program, schedules)
+    every_release = pipeline_releases(plan.materialized, plan.program)
     assert any(every_release)
     for rank in range(8):
-        assert rank_releases(plan.program, schedules, rank) == every_release[rank]
+        assert rank_releases(plan.materialized, plan.program, rank) == every_release[rank]

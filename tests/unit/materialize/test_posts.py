@@ -20,8 +20,8 @@ def gpt_and_batch() -> tuple[GPT, object]:
 def test_data_parallel_ranks_post_the_loss_count_where_the_peer_sends_it_and_receive_it_at_the_end_of_the_forward() -> None:
     model, batch = gpt_and_batch()
     plan = lnn.parallelize(model, batch, "dp", 2, step="training_step")
-    posts = receive_posts(plan.program)
-    receives = {(action.src, program.rank, action.tag): action for program in plan.program.ranks for action in program.actions
+    posts = receive_posts(plan.materialized)
+    receives = {(action.src, program.rank, action.tag): action for program in plan.materialized.ranks for action in program.actions
                 if isinstance(action, Recv)}
     assert set(posts) == set(receives)  # the count, each way
     assert all(posts[key] < receives[key].position for key in posts)
@@ -36,6 +36,6 @@ def test_data_parallel_ranks_post_the_loss_count_where_the_peer_sends_it_and_rec
 def test_pipeline_boundary_messages_are_not_posted_ahead() -> None:
     model, batch = gpt_and_batch()
     plan = lnn.parallelize(model, batch, "1f1b", 2, step="training_step", microbatches=2)
-    boundary = {(action.src, program.rank, action.tag) for program in plan.program.ranks for action in program.actions
+    boundary = {(action.src, program.rank, action.tag) for program in plan.materialized.ranks for action in program.actions
                 if isinstance(action, Recv) and action.boundary}
-    assert boundary and not boundary & set(receive_posts(plan.program))
+    assert boundary and not boundary & set(receive_posts(plan.materialized))

@@ -37,8 +37,7 @@ def test_a_generated_1f1b_plan_posts_its_boundary_messages_in_the_runtimes_order
     model.log = lambda *args, **kwargs: None
     plan = lnn.parallelize(model, model.example_batch(4, torch.Generator().manual_seed(0)), "1f1b", 2,
                            step="training_step", stages=2, microbatches=2)
-    schedules = [[str(action) for action in plan.pipeline.actions(rank)] for rank in range(2)]
-    first, last = boundary_messages(plan.program, schedules)
+    first, last = boundary_messages(plan.materialized, plan.program)
     assert [(post.kind, post.message.gradient) for post in first] == [
         ("send", False), ("send", False), ("recv", True), ("recv", True)]  # F0 F1 B0 B1
     assert [(post.kind, post.message.gradient) for post in last] == [

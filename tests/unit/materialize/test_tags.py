@@ -34,7 +34,7 @@ def test_data_parallel_replicas_send_the_same_tags_between_the_same_stages() -> 
     def messages(rank: int) -> list[tuple[str, int, int]]:
         """Rank ``rank``'s messages inside its replica: kind, peer's offset from the rank, tag."""
         found = []
-        for action in plan.program.ranks[rank].actions:
+        for action in plan.materialized.ranks[rank].actions:
             peer = action.dst if isinstance(action, Send) else action.src if isinstance(action, Recv) else None
             if peer is not None and layout.replica(peer) == layout.replica(rank):
                 found.append((type(action).__name__, peer - rank, action.tag))

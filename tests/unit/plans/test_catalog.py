@@ -1,4 +1,4 @@
-"""The recipe catalog: parameters come from the plan functions' signatures, the files document them,
+"""The recipe catalog: parameters come from the recipes' config dataclasses (documented by their fields),
 names are names, a user's own recipe is registered from Python and then works everywhere."""
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ import lightning_nnscaler as lnn
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.validate import PlanError
 from lightning_nnscaler.plans import RecipeError, apply_recipe, list_recipes, load_recipe
-from lightning_nnscaler.plans.catalog import ParameterSpec, keyword_parameters, register_recipe
+import dataclasses
+
+from lightning_nnscaler.plans.catalog import ParameterSpec, register_recipe
 from lightning_nnscaler.plans.context import PlanContext
 from lightning_nnscaler.plans.dp import dp
 from lightning_nnscaler.plans.layout import DeviceGrid, RecipeLayout, data_parallel_layout
 
-RECIPES = ["1f1b", "3f1b", "auto", "coshard", "dp", "gpipe", "hybrid", "hybrid3d", "interlaced", "interleaved", "sp", "tp", "vhalf", "zb1", "zbv", "zero1", "zero3"]
+RECIPES = ["1f1b", "3f1b", "auto", "coshard", "dp", "dualpipev", "gpipe", "hybrid", "hybrid3d", "interlaced", "interleaved", "sp", "tp", "vhalf", "zb1", "zbv", "zero1", "zero3"]
 
 
 def test_catalog_lists_every_built_in_recipe() -> None:
@@ -27,20 +29,23 @@ def test_catalog_lists_every_built_in_recipe() -> None:
 
 
 @pytest.mark.parametrize("name", RECIPES)
-def test_parameters_are_the_functions_keyword_parameters(name) -> None:
+def test_parameters_are_the_config_fields(name) -> None:
     spec = load_recipe(name)
     # auto drives the simulator, which reads plans: it lives above them, in sim (tests/unit/test_layering.py)
     home = "lightning_nnscaler.sim." if name == "auto" else "lightning_nnscaler.plans."
     assert spec.summary and spec.constraints and spec.function.__module__.startswith(home)
     assert list(inspect.signature(spec.function).parameters)[:2] == ["graph", "ctx"]
-    keywords = keyword_parameters(spec.function)
-    assert list(keywords) == list(spec.parameters)
-    for key, parameter in keywords.items():
+    assert dataclasses.is_dataclass(spec.config) and spec.config.__dataclass_params__.frozen
+    fields = {field.name: field for field in dataclasses.fields(spec.config)}
+    assert list(fields) == list(spec.parameters) and all(field.kw_only for field in fields.values())
+    for key, field in fields.items():
         documented = spec.parameters[key]
         assert documented.doc, key
-        assert documented.required == (parameter.default is inspect.Parameter.empty), key
+        assert documented.required == (field.default is dataclasses.MISSING), key
         if not documented.required:
-            assert parameter.default == documented.default, key
+            assert field.default == documented.default, key
+    # a built-in takes its config (auto, above plans in sim, keeps keyword-only parameters: the catalog makes its config)
+    assert spec.takes_config == (name != "auto" and bool(fields))
 
 
 def test_parameter_types_come_from_annotations() -> None:
@@ -69,7 +74,7 @@ def test_unknown_and_missing_parameters_are_named(gpt) -> None:
 
 
 def test_unknown_recipe_lists_the_catalog(gpt) -> None:
-    with pytest.raises(RecipeError, match=r"unknown recipe 'megatron'; the catalog has: 1f1b, 3f1b, auto, coshard, dp, gpipe, hybrid, (\w+, )*zero1, zero3.*register_recipe"):
+    with pytest.raises(RecipeError, match=r"unknown recipe 'megatron'; the catalog has: 1f1b, 3f1b, auto, coshard, dp, dualpipev, gpipe, hybrid, (\w+, )*zero1, zero3.*register_recipe"):
         apply_recipe(gpt.graph.copy(), "megatron", 2)
 
 
@@ -108,14 +113,16 @@ def test_parameter_spec_checks_values() -> None:
 
 
 def test_malformed_recipe_files_are_named(tmp_path) -> None:
-    (tmp_path / "broken.yaml").write_text("name: broken\nfunction: lightning_nnscaler.plans.coshard:coshard\nsummary: s\nparameters:\n  shards: doc\n")
-    with pytest.raises(RecipeError, match=r"parameter 'recompute' of coshard has no doc in the catalog file"):
+    (tmp_path / "broken.yaml").write_text("name: broken\nfunction: lightning_nnscaler.sim.auto:auto\nsummary: s\nparameters:\n  spec: doc\n")
+    with pytest.raises(RecipeError, match=r"parameter\(s\) memory_limit_gb, recipes, max_pp of auto_config have no doc: give each field a docstring"):
         list_recipes(tmp_path)
+    (tmp_path / "broken.yaml").write_text("name: broken\nfunction: lightning_nnscaler.plans.coshard:coshard\nsummary: s\nparameters:\n  shards: doc\n")
+    assert list_recipes(tmp_path)[0].parameters["shards"].doc == "doc"  # the file's doc, over the field's docstring
     (tmp_path / "broken.yaml").write_text("name: other\nfunction: m:f\nsummary: s\n")
     with pytest.raises(RecipeError, match="name 'other' must be the file's stem 'broken'"):
         load_recipe("broken", tmp_path)
     (tmp_path / "broken.yaml").write_text("name: broken\nfunction: lightning_nnscaler.plans.dp:dp\nsummary: s\nparameters:\n  x: d\n")
-    with pytest.raises(RecipeError, match=r"documents parameter\(s\) x that dp does not take"):
+    with pytest.raises(RecipeError, match=r"documents parameter\(s\) x that dp_config does not have"):
         load_recipe("broken", tmp_path)
     (tmp_path / "broken.yaml").write_text("name: broken\nfunction: no.such.module:f\nsummary: s\n")
     with pytest.raises(RecipeError, match="cannot import function 'no.such.module:f'"):

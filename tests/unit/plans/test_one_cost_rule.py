@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 import lightning_nnscaler as lnn
-from lightning_nnscaler.plans.pipeline import op_cost
+from lightning_nnscaler.plans.stage_cuts import op_cost
 from lightning_nnscaler.sim.costs import op_work
 
 

@@ -9,15 +9,19 @@ import pytest
 import torch
 
 import lightning_nnscaler as lnn
+from lightning_nnscaler.codegen import module_from_source
+from lightning_nnscaler.runtime.pipeline import module_actions
 from lightning_nnscaler.models.evoformer import Evoformer, EvoformerConfig
 from lightning_nnscaler.models.gpt import GPT, GPTConfig
 from lightning_nnscaler.models.mbart import MBart, MBartConfig
 from lightning_nnscaler.models.swin import Swin, SwinConfig
 from lightning_nnscaler.ir.validate import PlanError
 from lightning_nnscaler.materialize.program import Recv
-from lightning_nnscaler.parallelize import build_plan, check_message_order
+from lightning_nnscaler.materialize.steps import check_message_order
+from lightning_nnscaler.parallelize import build_plan
 from lightning_nnscaler.plans.context import PipelinePlan, PlanContext
-from lightning_nnscaler.plans.pipeline import cut_stages, op_cost, pipeline
+from lightning_nnscaler.plans.pipeline import PipelineSettings, pipeline
+from lightning_nnscaler.plans.stage_cuts import cut_stages, op_cost
 from lightning_nnscaler.schedules import Schedule, ScheduleError, one_f_one_b, peak_in_flight
 
 
@@ -58,8 +62,8 @@ def test_each_rank_runs_one_function_per_segment_in_its_schedule_order() -> None
     plan = lnn.parallelize(model, batch, "1f1b", 2, step="training_step", microbatches=4)
     expected = one_f_one_b(2, 4).as_text()
     for rank, source in enumerate(plan.sources):
-        schedule = eval(re.search(r"^SCHEDULE = (\[.*?\])", source, re.M).group(1))  # noqa: S307 - our own generated literal
-        assert schedule == expected[rank]
+        assert [str(action) for action in plan.program.actions[rank] if action.kind.is_compute] == expected[rank]
+        assert module_actions(module_from_source(source, f"schedule_order_rank{rank}")) == list(plan.program.actions[rank])
         functions = re.findall(r"^def (stage\d+_microbatch\d+)\(held, shared, received, communicator, token\):", source, re.M)
         assert functions == [f"stage{rank}_microbatch{microbatch}" for microbatch in range(4)]
         assert "def prologue(held, communicator, token):" in source and "def forward(" not in source
@@ -98,7 +102,7 @@ def hand_plan(actions: list[list[str]]) -> Exception:
     graph = lnn.trace(model, batch, step="training_step")
     planned = graph.copy()
     ctx = PlanContext(2)
-    pipeline(planned, ctx, schedule="1f1b", microbatches=2)
+    pipeline(planned, ctx, "1f1b", PipelineSettings(microbatches=2))
     bad = PipelinePlan(Schedule.from_text(actions, (0, 1), 2), ctx.pipeline.column_of_rank)
     with pytest.raises(ScheduleError) as caught:
         build_plan(model, batch, "training_step", graph, planned, 2, pipeline=bad)
@@ -169,14 +173,14 @@ def test_boundary_messages_received_out_of_send_order_are_refused() -> None:
     """What NCCL (which ignores tags) needs of every pair of ranks, skip messages included."""
     model, batch = gpt_and_batch(4)
     plan = lnn.parallelize(model, batch, "gpipe", 2, step="training_step", microbatches=2)
-    check_message_order(plan.program, plan.pipeline)  # the recipe's plan passes
-    receiver = plan.program.ranks[1]
+    check_message_order(plan.materialized, plan.program)  # the recipe's plan passes
+    receiver = plan.materialized.ranks[1]
     boundary = [index for index, action in enumerate(receiver.actions) if isinstance(action, Recv) and action.boundary]
     first, second = (receiver.actions[index] for index in boundary[:2])
     receiver.actions[boundary[0]] = dataclasses.replace(first, tag=second.tag)
     receiver.actions[boundary[1]] = dataclasses.replace(second, tag=first.tag)
     with pytest.raises(PlanError, match=r"rank 0 sends rank 1 its messages in another order than rank 1 receives them"):
-        check_message_order(plan.program, plan.pipeline)
+        check_message_order(plan.materialized, plan.program)
 
 
 def test_stage_cuts_stay_balanced_when_one_boundary_is_much_lighter_than_the_blocks() -> None:
@@ -265,7 +269,8 @@ def test_a_pipeline_with_the_embeddings_and_the_head_on_stages_of_their_own_veri
     [
         ("1,2", r"layers_per_stage \[1, 2\] must give 2 stages \(chunks\) and add up to the model.s 2 layers"),  # GPTConfig.small: 2 blocks
         ("2,0,0,0", r"only the first and the last stage may hold 0 layers"),
-        ("1,x", r"layers_per_stage must be comma-separated counts such as '3,3,2', got '1,x'"),
+        ("1,x", r"recipe 'gpipe': parameter 'layers_per_stage' expects tuple\[int, \.\.\.\]: a list such as \[3, 3, 2\] or a "
+                r"comma-separated string such as '3,3,2', got str '1,x'"),
         ("0,0", r"counts must be >= 0 and not all 0"),
     ],
 )

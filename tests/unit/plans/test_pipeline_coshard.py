@@ -11,7 +11,7 @@ import torch
 import lightning_nnscaler as lnn
 from lightning_nnscaler.models.gpt import GPT, GPTConfig
 from lightning_nnscaler.plans.context import PlanContext
-from lightning_nnscaler.plans.pipeline import pipeline, stage_indices
+from lightning_nnscaler.plans.pipeline import PipelineSettings, pipeline
 from lightning_nnscaler.sim import predict
 from support.saved import metered_peaks
 
@@ -81,12 +81,12 @@ def test_a_stage_both_recomputed_and_co_sharded_is_refused_naming_both_keys() ->
 
 def test_bad_coshard_stages_and_shards_are_refused_naming_the_key() -> None:
     model, batch = gpt_and_batch()
-    with pytest.raises(ValueError, match=r"coshard_stages names stage 1 more than once in '1,1'"):
-        stage_indices("1,1", "coshard_stages")
+    with pytest.raises(ValueError, match=r"coshard_stages \[1, 1\] names a stage more than once; name each stage once"):
+        lnn.parallelize(model, batch, "1f1b", 2, step="training_step", coshard_stages="1,1")
     with pytest.raises(ValueError, match=r"coshard_stages \[2\] names stage 2, outside the pipeline's 2 stages"):
         lnn.parallelize(model, batch, "1f1b", 2, step="training_step", coshard_stages="2")
     with pytest.raises(ValueError, match=r"shards must be an int >= 2 for coshard_stages \[0\], got 1"):
         lnn.parallelize(model, batch, "1f1b", 2, step="training_step", coshard_stages="0", shards=1)
     graph = lnn.trace(model, batch, step="training_step")
     with pytest.raises(ValueError, match=r"interlaced: coshard_stages is not supported"):
-        pipeline(graph, PlanContext(world_size=2), schedule="interlaced", coshard_stages=[0])
+        pipeline(graph, PlanContext(world_size=2), "interlaced", PipelineSettings(coshard_stages=[0]))

@@ -11,7 +11,8 @@ import torch
 import lightning_nnscaler as lnn
 from lightning_nnscaler.models.gpt import GPT, GPTConfig
 from lightning_nnscaler.plans.context import PlanContext
-from lightning_nnscaler.plans.pipeline import pipeline, stage_indices
+from lightning_nnscaler.plans.catalog import RecipeError, load_recipe
+from lightning_nnscaler.plans.pipeline import PipelineSettings, pipeline
 from lightning_nnscaler.sim import predict
 from support.saved import metered_peaks
 
@@ -85,14 +86,22 @@ def test_each_segment_of_a_recomputed_stage_is_its_own_group_and_no_grad_or_prol
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("0,x", r"recompute_stages must be comma-separated stage indices such as '0,1', got '0,x'"),
-        ("0,0", r"recompute_stages names stage 0 more than once in '0,0'; name each stage once"),
-        ("-1", r"recompute_stages must be stage indices >= 0 \(stage 0 is the first\), got '-1'"),
+        ("0,x", r"recipe '1f1b': parameter 'recompute_stages' expects tuple\[int, \.\.\.\]: a list such as \[3, 3, 2\] or a "
+                r"comma-separated string such as '3,3,2', got str '0,x'"),
+        ("-1", r"recipe '1f1b': parameter 'recompute_stages' has entry -1 in '-1'; each entry must be int >= 0, or None"),
+        ([0, -1], r"parameter 'recompute_stages' has entry -1 in \[0, -1\]; each entry must be int >= 0"),
+        ([0, True], r"parameter 'recompute_stages' expects tuple\[int, \.\.\.\].*got list \[0, True\]"),
     ],
 )
-def test_recompute_stages_that_are_not_stage_indices_are_refused_naming_the_key(text: str, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        stage_indices(text)
+def test_recompute_stages_that_are_not_stage_indices_are_refused_naming_the_key(text: object, message: str) -> None:
+    with pytest.raises(RecipeError, match=message):
+        load_recipe("1f1b").check_parameters({"recompute_stages": text})
+
+
+def test_a_stage_named_twice_is_refused_naming_the_key() -> None:
+    model, batch = gpt_and_batch()
+    with pytest.raises(ValueError, match=r"recompute_stages \[0, 0\] names a stage more than once; name each stage once"):
+        lnn.parallelize(model, batch, "1f1b", 2, step="training_step", recompute_stages="0,0")
 
 
 def test_a_stage_outside_the_pipeline_is_refused_naming_the_key() -> None:
@@ -108,4 +117,4 @@ def test_schedules_without_stages_of_their_own_refuse_recompute_stages(schedule:
     model, batch = gpt_and_batch()
     graph = lnn.trace(model, batch, step="training_step")
     with pytest.raises(ValueError, match=rf"{schedule}: recompute_stages is not supported .* use it with gpipe, 1f1b, zb1, interleaved or hybrid3d"):
-        pipeline(graph, PlanContext(world_size=2), schedule=schedule, recompute_stages=[0])
+        pipeline(graph, PlanContext(world_size=2), schedule, PipelineSettings(recompute_stages=[0]))

@@ -7,6 +7,8 @@ from plans_support import traced
 
 import lightning_nnscaler as lnn
 from lightning_nnscaler.plans import PlanContext, dp, hybrid, tp
+from lightning_nnscaler.plans.hybrid import HybridConfig
+from lightning_nnscaler.plans.megatron_tp import TensorParallelConfig
 
 
 def _pieces(plan: lnn.Graph, state_key: str) -> list[lnn.Op]:
@@ -100,9 +102,9 @@ def test_hybrid_lays_out_devices_replica_major() -> None:
 
 def test_plan_errors_name_the_parameters(gpt) -> None:
     with pytest.raises(ValueError, match=r"hybrid: dp \(2\) × tp \(3\) = 6 must equal world_size \(4\)"):
-        hybrid(gpt.graph.copy(), PlanContext(4), dp=2, tp=3)
+        hybrid(gpt.graph.copy(), PlanContext(4), HybridConfig(dp=2, tp=3))
     with pytest.raises(ValueError, match=r"tp: degree \(3\) must be a positive divisor of world_size \(4\)"):
-        tp(gpt.graph.copy(), PlanContext(4), degree=3)
+        tp(gpt.graph.copy(), PlanContext(4), TensorParallelConfig(degree=3))
     with pytest.raises(ValueError, match=r"input %batch_0 has batch size 4, which 8 does not divide"):
         dp(gpt.graph.copy(), PlanContext(8))
     with pytest.raises(ValueError, match="zero_stage"):

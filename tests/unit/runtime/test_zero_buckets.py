@@ -78,7 +78,8 @@ def zero_step(zero_stage: int, bucket_bytes: int | None):
         counting = Counting(comm)
         originals = [box.detach().clone() for box, _ in replicated]
         reducer = GradientReducer(replicated, counting, comm.rank, zero_stage=zero_stage, bucket_bytes=bucket_bytes)
-        reducer.before_forward()
+        if zero_stage == 3:  # the program's GATHER of every bucket before the forward
+            reducer.gather_boxes()
         rebuilt_before = [box.detach().clone() for box, _ in replicated]
         local_gradients(comm.rank, replicated)
         expected_chunks, expected_full = per_box_reference(comm, replicated)
@@ -93,7 +94,8 @@ def zero_step(zero_stage: int, bucket_bytes: int | None):
                 owned.chunk.add_(1.0)  # an optimizer step
         counting.calls.clear()
         reducer.after_optimizer_step()
-        reducer.before_forward()
+        if zero_stage == 3:  # the program's GATHER of every bucket before the forward
+            reducer.gather_boxes()
         return {
             "reduce_scatters": reduce_scatters,
             "gathers": counting.calls["all_gather"],

@@ -3,16 +3,19 @@ paper runs as the pipeline recipes' ``schedule_csv`` after it is parsed, checked
 
 from __future__ import annotations
 
+import csv
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.distributed.pipelining import schedules as torch_schedules
 
 import lightning_nnscaler as lnn
 from lightning_nnscaler.models.gpt import GPT, GPTConfig
 from lightning_nnscaler.schedules import (
-    ScheduleError, format_csv, gpipe, interleaved, load_csv, lower, one_f_one_b, parse_table, zb1,
+    ScheduleError, dual_pipe_v, format_csv, gpipe, interleaved, load_csv, lower, one_f_one_b, parse_table, zb1,
 )
 
 GRID = re.compile(r"^step \| rank 0 +\| rank 1", re.M)
@@ -31,8 +34,10 @@ def gpt_and_batch() -> tuple[GPT, object]:
 
 
 def scheduled(plan: lnn.Plan) -> list[list[str]]:
-    """Each rank's ``SCHEDULE`` literal from the generated code."""
-    return [eval(re.search(r"^SCHEDULE = (\[.*?\])", source, re.M).group(1)) for source in plan.sources]  # noqa: S307 - our literal
+    """Each rank's compute actions, in the order of the generated code's ``PROGRAM``."""
+    programs = [re.search(r"^PROGRAM = \[.*?\n(.*?)^\]", source, re.M | re.S).group(1) for source in plan.sources]
+    texts = [[text.strip() for line in eval(f"[{program}]") for text in line.split(",")] for program in programs]  # noqa: S307 - our literal
+    return [[text for text in rank if re.fullmatch(r"\d+[FBW]\d+", text)] for rank in texts]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -125,3 +130,43 @@ def test_a_table_for_another_number_of_ranks_or_microbatches_is_refused_by_the_r
         lnn.parallelize(model, batch, "1f1b", 2, step="training_step", schedule_csv=path, microbatches=8)
     with pytest.raises(ValueError, match=r"schedule_csv: cannot read '.*missing.csv'"):
         lnn.parallelize(model, batch, "1f1b", 2, step="training_step", schedule_csv=str(tmp_path / "missing.csv"))
+
+
+def torch_dualpipev_table(tmp_path: Path, ranks: int, microbatches: int) -> str:
+    """torch's ScheduleDualPipeV order written as its ``_dump_csv`` writes ``pipeline_order`` (one row of
+    ``_Action`` texts per rank, overlapped pairs as ``(0F2;3B0)OVERLAP_F_B``)."""
+    owner = SimpleNamespace(pp_group_size=ranks, _n_microbatches=microbatches)
+    path = tmp_path / f"dualpipev_{ranks}x{microbatches}.csv"
+    with open(path, "w", newline="") as file:
+        for rank in range(ranks):
+            csv.writer(file).writerow(torch_schedules.ScheduleDualPipeV._calculate_single_rank_operations(owner, rank))
+    return str(path)
+
+
+needs_dualpipev = pytest.mark.skipif(not hasattr(torch_schedules, "ScheduleDualPipeV"), reason="this torch has no ScheduleDualPipeV")
+
+
+@needs_dualpipev
+def test_torch_s_own_dualpipev_table_runs_as_schedule_csv(tmp_path: Path) -> None:
+    """torch's table (I, W, fused B and OVERLAP_F_B cells) imports as ``dual_pipe_v`` and a GPT planned with it verifies."""
+    path = torch_dualpipev_table(tmp_path, 2, 4)
+    text = Path(path).read_text()
+    assert "(0F3;3B1)OVERLAP_F_B" in text and "3I0,3W0" in text and ",3B2," in text  # overlapped pair, split and fused backward
+    assert load_csv(path) == dual_pipe_v(2, 4)
+    model, batch = gpt_and_batch()
+    plan = lnn.parallelize(model, batch, "zb1", 2, step="training_step", schedule_csv=path)
+    assert plan.verify().parameters_checked == len(list(model.parameters()))
+    assert plan.pipeline.schedule == dual_pipe_v(2, 4)
+
+
+@needs_dualpipev
+def test_a_table_whose_messages_cross_is_refused_by_the_recipe_with_the_grid(tmp_path: Path) -> None:
+    """torch's DualPipeV at 3 ranks: rank 0 sends 0F4 before 5B0's gradient, rank 1 takes 4's gradient first."""
+    path = torch_dualpipev_table(tmp_path, 3, 6)
+    model, batch = gpt_and_batch()
+    with pytest.raises(ScheduleError) as caught:
+        lnn.parallelize(model, batch, "zb1", 3, step="training_step", schedule_csv=path)
+    message = str(caught.value)
+    assert f"schedule_csv {path!r}: the table's order cannot run: crossed send/recv order from rank 0 to rank 1" in message
+    assert "message 4 is 0SEND_F4->1 on rank 0, but rank 1 receives it as 4RECV_B0<-0" in message
+    assert re.search(r"^step \| rank 0 +\| rank 1 +\| rank 2", message, re.M) and "*0SEND_F4->1*" in message and "*4RECV_B0<-0*" in message

@@ -9,12 +9,15 @@ from hypothesis import strategies as st
 from lightning_nnscaler.schedules import Action, Kind, Schedule
 
 COMPUTE = [kind for kind in Kind if kind.is_compute]
-COMMUNICATION = [kind for kind in Kind if not kind.is_compute]
+COMMUNICATION = [kind for kind in Kind if kind.is_send or kind.is_recv]
+BUCKET_KINDS = [kind for kind in Kind if kind.names_bucket]
 INDEX = st.integers(min_value=0, max_value=10_000)
 
 ACTIONS = st.one_of(
     st.builds(Action, INDEX, INDEX, st.sampled_from(COMPUTE)),
     st.builds(Action, INDEX, INDEX, st.sampled_from(COMMUNICATION), INDEX),
+    st.builds(Action.step, st.sampled_from(BUCKET_KINDS), INDEX),
+    st.builds(Action.step, st.sampled_from([Kind.LOSS, Kind.STEP])),
 )
 
 
@@ -33,6 +36,11 @@ def test_parse_round_trips_every_kind(action: Action) -> None:
         ("1RECV_F3<-0", Action(1, 3, Kind.RECV_F, 0)),
         ("1SEND_B3->0", Action(1, 3, Kind.SEND_B, 0)),
         ("0RECV_B3<-1", Action(0, 3, Kind.RECV_B, 1)),
+        ("REDUCE b2", Action.step(Kind.REDUCE, 2)),
+        ("GATHER b0", Action.step(Kind.GATHER, 0)),
+        ("FREE b1", Action.step(Kind.FREE, 1)),
+        ("LOSS", Action.step(Kind.LOSS)),
+        ("STEP", Action.step(Kind.STEP)),
     ],
 )
 def test_compact_text_form(text: str, action: Action) -> None:

@@ -25,10 +25,13 @@ GRADIENT_GROUPS = [  # (state_dict key, box, ranks whose gradients of that box a
 GROUPS = []  # every rank creates these, in this order
 ZERO_STAGE = 0  # replicated boxes: 0 all-reduce, 1 sharded optimizer state, 3 sharded at rest
 PIPELINED = False  # segments pass messages to one another (stages, microbatches)
+PROGRAM = [  # this rank's step in order: F forward, B backward, W weight gradients (stage, kind, microbatch), messages, sums
+    '0F0, LOSS, 0B0, STEP',
+]
+BUCKETS = []  # the gradient buckets REDUCE/GATHER/FREE b<k> name: indices into GRADIENT_GROUPS, back to back
 OUTPUTS = [  # (graph output, variable, starts backward, segment)
     ('sum_1', 'sum_1', False, (0, 0)),
 ]
-SCHEDULE = ['0F0', '0B0']  # this rank's segments: F forward, B backward, W weight gradients (stage, kind, microbatch)
 BOUNDARY_IN = {}  # segment: messages received before its forward, in order (tag, from rank, shape, dtype, gradient goes back)
 BOUNDARY_OUT = {}  # segment: messages sent after its forward, in order (tag, to rank, gradient comes back)
 
