@@ -95,7 +95,10 @@ class RankExecutor:
                 if materialize is None:
                     raise ValueError(f"{location.state_key} lies on the meta device and no materialize function was given for its pieces")
                 return _piece(location, role, source, self.device, values=materialize(location, source))
-            return _piece(location, role, source, self.device, shared if share else None)
+            shard = _piece(location, role, source, self.device, shared if share else None)
+            if getattr(module, "ZERO_STAGE", 0) == 3 and shard.tensor.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+                shard.tensor.data = shard.tensor.detach().clone()  # ZeRO-3 frees a box's storage: never the module's own
+            return shard
 
         self._load(module, constants, input_offsets, piece_of)
         by_location = {shard.location: shard.tensor for shard in self.shards.values()}

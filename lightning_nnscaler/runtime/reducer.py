@@ -121,7 +121,8 @@ class GradientReducer:
     """Sums replicated gradients during backward (stage 0); with ZeRO, owns the optimizer's chunks.
 
     Args:
-        replicated: ``(box, ranks)`` of each box this rank holds with others, in registration order.
+        replicated: ``(box, ranks)`` of each box this rank holds with others, in registration order. Under ZeRO-3
+            each box must own its storage (not share a module's): the program's ``FREE`` frees it.
         communicator: The rank's communicator.
         rank: This rank.
         zero_stage: 0, 1 or 3.
@@ -161,9 +162,6 @@ class GradientReducer:
         self.on_bucket_started: Callable[[int], None] | None = None
         self._zero_arrived: set[int] = set()  # ZeRO: ids of the boxes whose gradient this backward has accumulated
         if zero_stage:
-            for box, _ in replicated:
-                if zero_stage == 3:  # its storage is freed and refilled: it must be the box's own, not shared with the module's
-                    box.data = box.detach().clone()
             owned_of = {index: self._own(box, ranks, rank) for index, (box, ranks) in enumerate(replicated)}
             self.owned = [owned_of[index] for index in range(len(replicated))]
             self._zero_buckets = [_ZeroBucket(self.owned[bucket[0]].ranks, [owned_of[index] for index in bucket]) for bucket in members]
