@@ -134,9 +134,9 @@ def with_loss(program: Program, *, overlapped: bool) -> Program:
         if not overlapped:
             lowered.append([*actions, Action.step(ActionKind.LOSS)])
             continue
-        last_forward = max((index for index, action in enumerate(actions) if action.kind is ActionKind.FORWARD), default=-1)
-        after = last_forward + 1
-        while after < len(actions) and actions[after].kind is ActionKind.SEND_F and actions[after].stage == actions[last_forward].stage:
+        last_forward = max((index for index, action in enumerate(actions) if action.kind is ActionKind.FORWARD), default=None)
+        after = 0 if last_forward is None else last_forward + 1
+        while last_forward is not None and after < len(actions) and actions[after].kind is ActionKind.SEND_F:
             after += 1
         lowered.append([*actions[:after], Action.step(ActionKind.LOSS), *actions[after:]])
     return program.replace_actions(lowered)

@@ -33,8 +33,11 @@ from lightning_nnscaler.sim.tasks import Collective as CollectiveTask, Compute, 
 from lightning_nnscaler.sim.transient import OpMemory, TransientBytes, backward_peaks
 
 SPLIT_SHARE = 0.5
-"""The share of a segment's backward time that each of B and W takes when the program splits W off
-(``runtime.split_backward``: the two halves run each backward op once between them)."""
+"""B's share of its segment's backward time when the program splits W off (the input-gradient half)."""
+WEIGHT_SHARE = 0.65
+"""W's share: the two halves run each backward op once between them (``runtime.split_backward``), but the
+split's bookkeeping made F + B + W cost 1.09–1.16× F + B on one CPU rank (``tests/unit/runtime/test_split_backward.py``,
+measured in the session that built it); with F about half a backward, W = 1.15 − 0.5 of a backward."""
 ADJOINT = {"all_reduce": "all_reduce", "all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all", "broadcast": "all_reduce"}
 
 
@@ -145,7 +148,7 @@ class TaskBuilder:
         if kind is ActionKind.WEIGHT:
             chunks = [item for item in segment.items if isinstance(item, _Chunk)]
             seed = self._seeds.get((action.stage, action.microbatch), 0)
-            return [Compute(sum(item.backward * SPLIT_SHARE + item.recompute for item in chunks), "weight", label,
+            return [Compute(sum(item.backward * WEIGHT_SHARE + item.recompute for item in chunks), "weight", label,
                             activation_bytes=-(segment.kept + seed))]
         return self._step_tasks(action, rank)
 
