@@ -51,9 +51,9 @@ def exit_non_zero_if_a_child_failed(procs: list[subprocess.Popen]) -> None:
     """At the end of rank 0's script (``atexit``): exit with status 1, naming them, if other ranks of this node failed."""
     failed = failed_children(procs)
     if failed:
+        hint = " (a SIGKILL is often the kernel's out-of-memory killer: see `dmesg`)" if any("SIGKILL" in line for line in failed) else ""
         print(
-            f"ChildRankFailed: {'; '.join(failed)} (a SIGKILL, often the kernel's out-of-memory killer: see `dmesg`); "
-            "this run's results may be incomplete",
+            f"ChildRankFailed: {'; '.join(failed)}{hint}; this run's results may be incomplete",
             file=sys.stderr, flush=True,
         )
         sys.stdout.flush()
