@@ -73,8 +73,17 @@ def step_program(
     materialized: Materialized, lists: Sequence[Sequence[Action]] | None, dtypes: Mapping[str, str], *, zero_stage: int = 0,
     bucket_bytes: int,
 ) -> Program:
-    """The step's program: ``lists`` are the ranks' compute actions (None: not pipelined, ``WHOLE_STEP_ACTIONS``)."""
+    """The step's program: ``lists`` are the ranks' compute actions (None: not pipelined, ``WHOLE_STEP_ACTIONS``).
+
+    Raises:
+        PlanError: ZeRO over a schedule of several microbatches (the reducer sums a box once per step).
+    """
     world_size = materialized.world_size
+    if zero_stage and lists is not None and any(action.microbatch for rank_actions in lists for action in rank_actions):
+        raise PlanError(
+            f"ZeRO stage {zero_stage} with several microbatches per step: a box's gradient would be reduce-scattered after "
+            "its first microbatch; use one microbatch (zero3's stages do), or a pipeline recipe without ZeRO"
+        )
     groups = rank_gradient_groups(materialized)
     staged = zero_stage == 3 and lists is not None  # ZeRO-3 over a plan cut into stages: one stage's boxes per bucket
     buckets = [rank_buckets(groups[rank], dtypes, bucket_bytes, bool(zero_stage), box_stages(materialized.ranks[rank]) if staged else None)

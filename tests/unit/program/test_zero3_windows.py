@@ -94,3 +94,18 @@ def test_zero3_cut_into_stages_holds_a_quarter_of_the_model_and_two_stages_at_4_
     assert max(staged_peaks) <= bound, (staged_peaks, bound, model_bytes)
     assert max(whole_peaks) > model_bytes  # gathered for the whole step: every box, and gradients besides
     assert max(staged_peaks) < 0.75 * max(whole_peaks)
+
+
+def test_zero_over_several_microbatches_is_refused_before_any_code_runs() -> None:
+    from lightning_nnscaler.capture.trace import trace_step
+    from lightning_nnscaler.parallelize import build_plan
+    from lightning_nnscaler.plans.catalog import apply_recipe
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.small())
+    batch = model.example_batch(8, torch.Generator().manual_seed(0))
+    graph = trace_step(model, batch, 0, step="training_step").graph
+    planned = graph.copy()
+    context = apply_recipe(planned, "1f1b", 2, microbatches=2)
+    with pytest.raises(lnn.PlanError, match="ZeRO stage 3 with several microbatches per step"):
+        build_plan(model, batch, "training_step", graph, planned, 2, zero_stage=3, validated=True, layout=context.layout, pipeline=context.pipeline)
