@@ -81,7 +81,7 @@ from lightning_nnscaler.launch import LaunchError, launch
 from lightning_nnscaler.models.evoformer import Evoformer, EvoformerConfig
 from lightning_nnscaler.models.gpt import GPT, GPTConfig
 from lightning_nnscaler.models.mbart import MBart, MBartConfig
-from lightning_nnscaler.parallelize import build_plan
+from lightning_nnscaler.plan import build_plan
 from lightning_nnscaler.plans.context import PipelinePlan
 from lightning_nnscaler.runtime import TorchDistributedCommunicator
 from lightning_nnscaler.runtime.executor import RankExecutor

@@ -4,8 +4,7 @@
 line (``lightning-nnscaler --help``, ``lightning-nnscaler recipes``) starts at once. What it sets up:
 
 * every public name (``__all__``) is imported from its module on first use (PEP 562 ``__getattr__``);
-  ``parallelize``, which is also a submodule's name, is a property that stays the function when the
-  import system binds the submodule to the package;
+  ``parallelize`` and ``Plan`` live in ``lightning_nnscaler.plan`` (no submodule shares a public name);
 * the strategies (``Trainer(strategy="nnscaler")``, ``"nnscaler_tp"``, ...) are registered with
   Lightning's ``StrategyRegistry`` as soon as ``lightning.pytorch`` has been imported, or at once when it
   already was. ``lightning_nnscaler.strategy`` registers them when it is imported; this package imports
@@ -16,9 +15,7 @@ line (``lightning-nnscaler --help``, ``lightning-nnscaler recipes``) starts at o
 from __future__ import annotations
 
 import importlib
-import sys
-import types
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from lightning_nnscaler._import_hooks import call_after_import
 
@@ -32,7 +29,7 @@ if TYPE_CHECKING:
     from lightning_nnscaler.ir.op import Op
     from lightning_nnscaler.ir.tensor import IndexMask, PTensor, ValueMask, VTensor
     from lightning_nnscaler.ir.validate import IdleRankError, PlanError, validate_plan
-    from lightning_nnscaler.parallelize import GlobalMeanWarning, Plan, build_plan, parallelize
+    from lightning_nnscaler.plan import GlobalMeanWarning, Plan, build_plan, parallelize
     from lightning_nnscaler.plans.catalog import RecipeError, apply_recipe, list_recipes, load_recipe, register_recipe
     from lightning_nnscaler.plans.context import PlanContext
     from lightning_nnscaler.plans.coverage import PartialPlanWarning
@@ -52,7 +49,7 @@ _MODULE_OF: dict[str, str] = {
     "Op": "lightning_nnscaler.ir.op",
     **dict.fromkeys(["IndexMask", "PTensor", "ValueMask", "VTensor"], "lightning_nnscaler.ir.tensor"),
     **dict.fromkeys(["IdleRankError", "PlanError", "validate_plan"], "lightning_nnscaler.ir.validate"),
-    **dict.fromkeys(["GlobalMeanWarning", "Plan", "build_plan", "parallelize"], "lightning_nnscaler.parallelize"),
+    **dict.fromkeys(["GlobalMeanWarning", "Plan", "build_plan", "parallelize"], "lightning_nnscaler.plan"),
     **dict.fromkeys(["RecipeError", "apply_recipe", "list_recipes", "load_recipe", "register_recipe"], "lightning_nnscaler.plans.catalog"),
     **dict.fromkeys(["DeviceGrid", "RecipeLayout"], "lightning_nnscaler.plans.layout"),
     "PlanContext": "lightning_nnscaler.plans.context",
@@ -82,23 +79,6 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
-
-
-class _Package(types.ModuleType):
-    """This package's module type: ``lightning_nnscaler.parallelize`` is the function, as ``__all__`` says,
-    even after ``lightning_nnscaler.parallelize`` (the module) is imported (``sys.modules`` holds the module)."""
-
-    @property
-    def parallelize(self) -> Callable[..., Any]:
-        """``lightning_nnscaler.parallelize.parallelize``."""
-        return importlib.import_module("lightning_nnscaler.parallelize").parallelize
-
-    @parallelize.setter
-    def parallelize(self, submodule: types.ModuleType) -> None:
-        """The import system binds the submodule here when it is imported; the name stays the function."""
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def _register_strategies_with_lightning() -> None:

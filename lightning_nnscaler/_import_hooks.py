@@ -10,8 +10,8 @@ has finished (the original loader is put back on the module first). Each functio
 finder answers nothing for names it does not watch.
 
 An "after" function may itself import modules of a package that is being imported at that moment
-(``lightning_nnscaler.parallelize`` imports Lightning, and registering the strategies imports
-``lightning_nnscaler.parallelize``: it would find the module half-executed). ``outside_of=package``
+(``lightning_nnscaler.plan`` imports Lightning, and registering the strategies imports
+``lightning_nnscaler.plan``: it would find the module half-executed). ``outside_of=package``
 makes it wait until the outermost import of that package's modules in progress has finished; the
 finder counts those imports (per thread) by wrapping their loaders while such a function is pending.
 """

@@ -22,7 +22,7 @@ from typing import Any
 
 from lightning_nnscaler.explain import MEMORY_KEYS
 
-Plan = Any  # lightning_nnscaler.parallelize.Plan, which imports this module (Plan.draw): duck-typed here
+Plan = Any  # lightning_nnscaler.plan.Plan, which imports this module (Plan.draw): duck-typed here
 Prediction = Any  # lightning_nnscaler.sim.Prediction: the simulator is imported when drawing
 
 COLORS = {

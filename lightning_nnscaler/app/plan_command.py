@@ -30,7 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lightning_nnscaler.app.config import CONF_DIR, ConfigError, JobConfig, check_fit, job_config
 from lightning_nnscaler.app.recipes import register_catalog_recipes, register_user_recipes
-from lightning_nnscaler.parallelize import Plan, parallelize
+from lightning_nnscaler.plan import Plan, parallelize
 from lightning_nnscaler.sim import predict
 from lightning_nnscaler.sim.analytic import TransformerShape
 from lightning_nnscaler.sim.cluster import ClusterOutcome, search_cluster

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from torchmetrics import Metric
 
 from lightning_nnscaler.capture.convert import CaptureError
-from lightning_nnscaler.parallelize import Plan
+from lightning_nnscaler.plan import Plan
 from lightning_nnscaler.runtime.executor import RankExecutor
 from lightning_nnscaler.strategy.planning import batch_signature
 

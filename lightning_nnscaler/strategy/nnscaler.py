@@ -97,7 +97,7 @@ from lightning_nnscaler.codegen import module_from_source
 from lightning_nnscaler.init import InitRecord, recording_init
 from lightning_nnscaler.ir.box import PieceLocation, full_box
 from lightning_nnscaler.ir.randomness import RandomStream
-from lightning_nnscaler.parallelize import Plan
+from lightning_nnscaler.plan import Plan
 from lightning_nnscaler.plans.catalog import on_register
 from lightning_nnscaler.runtime import TorchDistributedCommunicator
 from lightning_nnscaler.runtime.executor import RankExecutor

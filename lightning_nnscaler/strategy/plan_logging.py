@@ -26,7 +26,7 @@ from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from lightning_nnscaler.explain import COMMUNICATION_CONVENTION, MEMORY_KEYS, OPTIMIZER_ASSUMPTION, TRANSIENT_NOTE
-from lightning_nnscaler.parallelize import Plan
+from lightning_nnscaler.plan import Plan
 from lightning_nnscaler.strategy.step_timing import PredictedStep
 
 if TYPE_CHECKING:  # the simulator is imported only where a plan is searched or predicted

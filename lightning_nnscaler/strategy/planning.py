@@ -23,7 +23,7 @@ from lightning_nnscaler.capture import CaptureError, FrozenValueError, flatten_i
 from lightning_nnscaler.codegen import CodegenError
 from lightning_nnscaler.ir.randomness import RANDOM_LIKE_OP, RANDOM_OP
 from lightning_nnscaler.ir.validate import PlanError
-from lightning_nnscaler.parallelize import GlobalMeanWarning, Plan, parallelize, warn_means_over_kept_targets
+from lightning_nnscaler.plan import GlobalMeanWarning, Plan, parallelize, warn_means_over_kept_targets
 from lightning_nnscaler.plans.catalog import RecipeError, load_recipe
 from lightning_nnscaler.plans.layout import RecipeLayout
 from lightning_nnscaler.runtime.executor import RankExecutor

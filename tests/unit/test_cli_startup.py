@@ -57,7 +57,7 @@ IMPORT_ORDERS = {
     "lightning.pytorch first": "import lightning.pytorch\nimport lightning_nnscaler\n" + _CHECK_REGISTRY + _BUILD_TRAINERS,
     "the strategy class first": "from lightning_nnscaler import NnScalerStrategy\n" + _CHECK_REGISTRY + "print('registered')\n",
     # parallelize imports Lightning, and registering imports parallelize: it waits until parallelize is complete
-    "a module that imports Lightning first": "from lightning_nnscaler.parallelize import Plan\n" + _CHECK_REGISTRY + "print('registered')\n",
+    "a module that imports Lightning first": "from lightning_nnscaler.plan import Plan\n" + _CHECK_REGISTRY + "print('registered')\n",
 }
 
 
@@ -107,7 +107,7 @@ PUBLIC_NAMES = (
     "assert not missing, missing\n"
     "assert set(lnn.__all__) <= set(dir(lnn))\n"
     "import sys\n"
-    "assert lnn.parallelize is sys.modules['lightning_nnscaler.parallelize'].parallelize, lnn.parallelize  # not the module\n"
+    "assert lnn.parallelize is sys.modules['lightning_nnscaler.plan'].parallelize, lnn.parallelize  # not the module\n"
     "assert lnn.checkpoint is sys.modules['lightning_nnscaler.checkpoint']\n"
 )
 

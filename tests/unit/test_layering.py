@@ -32,17 +32,17 @@ ALLOWED: dict[str, set[str]] = {
     "logged_values": {"ir", "capture", "plans"},
     "replica_buffers": {"ir", "capture"},
     "explain": {"ir", "materialize", "plans"},
-    "parallelize": {
+    "plan": {
         "ir", "capture", "plans", "schedules", "program", "materialize", "codegen", "runtime", "verify", "draw", "explain", "logged_values",
         "replica_buffers", "sim",
     },
-    "strategy": {"ir", "capture", "plans", "codegen", "runtime", "checkpoint", "init", "parallelize", "explain", "sim"},
+    "strategy": {"ir", "capture", "plans", "codegen", "runtime", "checkpoint", "init", "plan", "explain", "sim"},
     "data": set(),
     "draw": {"explain", "sim"},  # the picture is the simulator's timeline
     "sim": {"ir", "materialize", "schedules", "program", "plans", "explain"},  # the simulator reads plans; nothing below imports it
-    "app": {"ir", "data", "draw", "explain", "parallelize", "plans", "sim", "strategy"},
+    "app": {"ir", "data", "draw", "explain", "plan", "plans", "sim", "strategy"},
     "train": {"app"},
-    "cli": {"ir", "plans", "recipes", "checkpoint", "parallelize", "app"},
+    "cli": {"ir", "plans", "recipes", "checkpoint", "plan", "app"},
 }
 
 

@@ -18,7 +18,7 @@ from lightning_nnscaler.models.swin import Swin, SwinConfig
 from lightning_nnscaler.ir.validate import PlanError
 from lightning_nnscaler.materialize.program import Recv
 from lightning_nnscaler.materialize.steps import check_message_order
-from lightning_nnscaler.parallelize import build_plan
+from lightning_nnscaler.plan import build_plan
 from lightning_nnscaler.plans.context import PipelinePlan, PlanContext
 from lightning_nnscaler.plans.pipeline import PipelineSettings, pipeline
 from lightning_nnscaler.plans.stage_cuts import cut_stages, op_cost

@@ -98,7 +98,7 @@ def test_zero3_cut_into_stages_holds_a_quarter_of_the_model_and_two_stages_at_4_
 
 def test_zero_over_several_microbatches_is_refused_before_any_code_runs() -> None:
     from lightning_nnscaler.capture.trace import trace_step
-    from lightning_nnscaler.parallelize import build_plan
+    from lightning_nnscaler.plan import build_plan
     from lightning_nnscaler.plans.catalog import apply_recipe
 
     torch.manual_seed(0)
