@@ -9,6 +9,8 @@ ranks' messages, in the order the program posts them, to NCCL's rule (pairs in p
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping, Sequence
 
 from lightning_nnscaler.ir.box import Box
@@ -34,7 +36,7 @@ def rank_buckets(
 ) -> tuple[Bucket, ...]:
     """A rank's buckets over its ``groups`` (``rank_gradient_groups``); a bucket's vars are indices into ``groups``.
     ``stages``: the one pipeline stage reading each ``(tensor name, box)``, for buckets of one stage's boxes (ZeRO-3)."""
-    boxes = [ReplicatedBox(str(index), tuple(group.ranks), _numel(group.box), dtype_bytes(dtypes.get(group.name, "float32")),
+    boxes = [ReplicatedBox(str(index), tuple(group.ranks), math.prod(stop - start for start, stop in group.box), dtype_bytes(dtypes.get(group.name, "float32")),
                            dtypes.get(group.name, "float32"), (stages or {}).get((group.name, group.box)))
              for index, group in enumerate(groups)]
     return gradient_buckets(boxes, bucket_bytes, zero=zero)
@@ -92,13 +94,6 @@ def step_program(
     compute = [WHOLE_STEP_ACTIONS] * world_size if lists is None else lists
     return lower_step(compute, lambda rank, segment: peers[rank].get(segment, SegmentPeers()), buckets,
                       pipelined=lists is not None, zero_stage=zero_stage, bucket_bytes=bucket_bytes)
-
-
-def _numel(box: Box) -> int:
-    count = 1
-    for start, stop in box:
-        count *= stop - start
-    return count
 
 
 def check_message_order(materialized: Materialized, steps: Program) -> None:

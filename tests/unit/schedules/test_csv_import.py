@@ -143,10 +143,6 @@ def torch_dualpipev_table(tmp_path: Path, ranks: int, microbatches: int) -> str:
     return str(path)
 
 
-needs_dualpipev = pytest.mark.skipif(not hasattr(torch_schedules, "ScheduleDualPipeV"), reason="this torch has no ScheduleDualPipeV")
-
-
-@needs_dualpipev
 def test_torch_s_own_dualpipev_table_runs_as_schedule_csv(tmp_path: Path) -> None:
     """torch's table (I, W, fused B and OVERLAP_F_B cells) imports as ``dual_pipe_v`` and a GPT planned with it verifies."""
     path = torch_dualpipev_table(tmp_path, 2, 4)
@@ -159,7 +155,6 @@ def test_torch_s_own_dualpipev_table_runs_as_schedule_csv(tmp_path: Path) -> Non
     assert plan.pipeline.schedule == dual_pipe_v(2, 4)
 
 
-@needs_dualpipev
 def test_a_table_whose_messages_cross_is_refused_by_the_recipe_with_the_grid(tmp_path: Path) -> None:
     """torch's DualPipeV at 3 ranks: rank 0 sends 0F4 before 5B0's gradient, rank 1 takes 4's gradient first."""
     path = torch_dualpipev_table(tmp_path, 3, 6)

@@ -53,7 +53,6 @@ def torch_order(ranks: int, microbatches: int) -> list[list[str]]:
     return order
 
 
-@pytest.mark.skipif(not hasattr(torch_schedules, "ScheduleDualPipeV"), reason="this torch has no ScheduleDualPipeV")
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
 def test_the_order_is_torch_dualpipev_with_chunk_0_forwards_moved_later(ranks: int) -> None:
     for microbatches in (2 * ranks, 2 * ranks + 3):
