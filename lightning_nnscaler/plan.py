@@ -22,7 +22,7 @@ from lightning_nnscaler.capture.step_values import StepValues
 from lightning_nnscaler.replica_buffers import ReplicaBufferUpdates, replica_buffer_updates
 from lightning_nnscaler.capture.trace import TracedStep, trace_step
 from lightning_nnscaler.codegen import module_from_source, save_sources
-from lightning_nnscaler.codegen.sources import RankSources
+from lightning_nnscaler.codegen.sources import Lowered, RankSources
 from lightning_nnscaler.codegen.load import digest
 from lightning_nnscaler.explain import explain_table, memory_rows
 from lightning_nnscaler.ir.graph import Graph
@@ -68,11 +68,9 @@ class Plan:
     world_size: int
     graph: Graph
     planned: Graph
-    materialized: Program
-    """Every rank's ops and pieces after dependency materialization (what codegen writes as segment functions)."""
-    program: StepProgram
-    """The step: every rank's actions in order and its gradient buckets (``program.Program``), what the runtime runs
-    and the simulator prices."""
+    lowered: Lowered
+    """The materialization and the step's program as planned (one rank's alone for ``parallelize(rank=)``), and every rank's
+    when first asked for (``materialized``, ``program``)."""
     sources: Sequence[str]
     """Rank ``r``'s module as ``sources[r]`` (``codegen.sources.RankSources``: generated when first read)."""
     plan_hash: str
@@ -97,6 +95,17 @@ class Plan:
     returned: str = "loss"
     """What the traced step returns as graph output 0: ``"loss"`` (training, forward), ``"value"`` (an evaluation
     step's number) or ``"none"`` (an evaluation step that returns None; output 0 is its first logged number)."""
+
+    @property
+    def materialized(self) -> Program:
+        """Every rank's ops and pieces after dependency materialization (what codegen writes as segment functions)."""
+        return self.lowered.whole()[0]
+
+    @property
+    def program(self) -> StepProgram:
+        """The step: every rank's actions in order and its gradient buckets (``program.Program``), what the runtime runs
+        and the simulator prices."""
+        return self.lowered.whole()[1]
 
     @property
     def data_layout(self) -> RecipeLayout:
@@ -182,7 +191,7 @@ class Plan:
         """Per rank, ``explain_rank``: bytes of parameters, gradients, optimizer state (Adam assumed),
         activations and ZeRO's transient full-size tensors, and bytes sent per step (all, and the
         gradient reduction's part). ``explain()``, ``draw()`` and the strategy's logged plan all show these rows."""
-        return memory_rows(self.materialized, self.graph.parameters, self.pipeline, zero_stage=self.zero_stage)
+        return memory_rows(self.materialized, self.graph.parameters, self.pipeline, zero_stage=self.zero_stage, step=self.program)
 
     def draw(self, path: str | os.PathLike[str], spec: Any = "a100") -> Path:
         """Write the plan picture to ``path`` (PNG): per-rank predicted memory bars and the simulated
@@ -294,8 +303,8 @@ def parallelize(
     with stage(f"planning {len(graph.ops)} ops with recipe {recipe} for {world_size} ranks"):
         with recording_refusals() as refusals, collector_paused():  # refusals: ops the recipe meant to split but could not
             context = apply_recipe(planned, recipe, world_size, **params)
-        model_parallel = world_size // context.layout.data_parallel if context.layout is not None else 1
-        check_coverage(planned, graph, world_size, recipe=recipe, allow_partial=allow_partial, refusals=refusals, model_parallel=model_parallel)
+            model_parallel = world_size // context.layout.data_parallel if context.layout is not None else 1
+            check_coverage(planned, graph, world_size, recipe=recipe, allow_partial=allow_partial, refusals=refusals, model_parallel=model_parallel)
     if context.pipeline is not None:
         warn_statistics_per_microbatch(graph)
     loaded_replicas = world_size if recipe == "auto" else world_size // model_parallel  # auto's loader gives every rank its own rows
@@ -464,7 +473,9 @@ def build_plan(
     ``layout`` is the recipe's promise of data-parallel replicas (default: one replica, every rank
     loads the whole batch); each rank's batch pieces must lie inside its replica's rows.
     ``pipeline`` is the schedule of a plan whose ops carry segments (``PlanContext.pipeline``).
-    ``rank``: generate only that rank's module now, the others when first read (``parallelize``'s ``rank``).
+    ``rank``: materialize, lower and generate only that rank's module now (a pipelined plan's rank-local materialization,
+    ``materialize(rank=)``, checking that rank's message channels); every rank's, and the others' modules, when first asked
+    for (``parallelize``'s ``rank``).
     ``bucket_bytes``: the size the gradient buckets are cut at (None: ``program.BUCKET_BYTES``, DDP's 25 MiB).
 
     Raises:
@@ -472,25 +483,38 @@ def build_plan(
     """
     params = dict(params or {})
     shared_stages = frozenset(stage for stage in range(pipeline.schedule.stages) if pipeline.schedule.is_shared(stage)) if pipeline else frozenset()
-    with collector_paused():
-        program = materialize(planned, world_size, validate=not validated, cost=communication_cost, shared_stages=shared_stages)
-        check_batch_split(program, graph, layout or single_replica(world_size, {}), recipe)
+    lists = [pipeline.actions(each) for each in range(world_size)] if pipeline else None
+    dtypes = {tensor.name: tensor.dtype for tensor in graph.parameters}
+
+    def lowered(local: int | None, validate_first: bool) -> tuple[Program, StepProgram]:
+        """Materialize (rank ``local``'s program alone, or every rank's) and lower; check the message order."""
+        program = materialize(planned, world_size, validate=validate_first, cost=communication_cost, shared_stages=shared_stages, rank=local)
         if program.pipelined and pipeline is None:
             raise PlanError("the plan's ops carry pipeline segments but no schedule orders them: pass pipeline= (a PipelinePlan)")
-        lists = [pipeline.actions(each) for each in range(world_size)] if pipeline else None
-        dtypes = {tensor.name: tensor.dtype for tensor in graph.parameters}
+        check_batch_split(program, graph, layout or single_replica(world_size, {}), recipe)
         steps = step_program(program, lists, dtypes, zero_stage=zero_stage, bucket_bytes=bucket_bytes or BUCKET_BYTES)
         if pipeline is not None:
             check_pipeline(program, steps, pipeline)
+        return program, steps
+
+    with collector_paused():
+        program, steps = lowered(rank, not validated)
         schedules = [[str(action) for action in each] for each in lists] if lists else None
         plan_hash = digest("\n".join([CODEGEN_VERSION, str(world_size), str(zero_stage), str(steps.bucket_bytes), str(graph), str(planned), str(schedules)]))
         label = f"recipe {recipe}" + (f" {params}" if params else "")
-        sources = RankSources(program, steps, plan_hash[:12], label)
+        whole = (lambda: _paused(lowered, None, False)) if program.local_rank is not None else None
+        sources = RankSources(Lowered(program, steps, whole), plan_hash[:12], label)
         sources.generate(range(world_size) if rank is None else (rank,))
     return Plan(
-        module, example_args, step, recipe, params, world_size, graph, planned, program, steps, sources, plan_hash, zero_stage, layout,
+        module, example_args, step, recipe, params, world_size, graph, planned, sources.lowered, sources, plan_hash, zero_stage, layout,
         pipeline=pipeline,
     )
+
+
+def _paused(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` with the cyclic garbage collector paused (``collector_paused``)."""
+    with collector_paused():
+        return function(*args)
 
 
 def check_pipeline(program: Program, steps: StepProgram, pipeline: PipelinePlan) -> None:

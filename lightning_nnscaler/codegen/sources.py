@@ -4,11 +4,14 @@ A rank runs only its own module, so generating all of them up front costs every 
 code generation (seconds per hundred ranks). ``RankSources`` is the list of sources as a sequence that
 emits rank ``r``'s module on first access (``emit_rank``) and keeps it; iterating, ``len`` and pickling
 behave as for the list (pickling writes every rank's source).
+
+A plan made for one rank materializes and lowers that rank alone (``Lowered``: ``Program.local_rank``); another
+rank's module is then emitted from every rank's materialization, built the first time one is asked for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, overload
 
 from lightning_nnscaler.codegen.emit import emit_rank
@@ -17,19 +20,50 @@ from lightning_nnscaler.materialize.releases import rank_releases
 from lightning_nnscaler.program import Program as StepProgram
 
 
+class Lowered:
+    """A plan's materialization and its step's program as built (every rank's, or one rank's: ``Program.local_rank``),
+    and every rank's, from ``whole``, the first time they are asked for."""
+
+    def __init__(self, materialized: Program, steps: StepProgram, whole: Callable[[], tuple[Program, StepProgram]] | None = None) -> None:
+        """``whole`` builds every rank's (needed only when ``materialized`` is rank-local)."""
+        if materialized.local_rank is not None and whole is None:
+            raise ValueError(f"a materialization of rank {materialized.local_rank} alone needs a way to build every rank's")
+        self.materialized = materialized
+        self.steps = steps
+        self._whole = whole
+        self._built: tuple[Program, StepProgram] | None = None
+
+    def whole(self) -> tuple[Program, StepProgram]:
+        """Every rank's materialization and step program (built now if they were rank-local)."""
+        if self.materialized.local_rank is None:
+            return self.materialized, self.steps
+        if self._built is None:
+            self._built = self._whole()
+        return self._built
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled as every rank's (``whole`` may be a closure, which does not pickle)."""
+        materialized, steps = self.whole()
+        return {"materialized": materialized, "steps": steps, "_whole": None, "_built": None}
+
+    def of_rank(self, rank: int) -> tuple[Program, StepProgram]:
+        """A materialization and step program in which ``rank``'s part is whole."""
+        return (self.materialized, self.steps) if self.materialized.local_rank in (None, rank) else self.whole()
+
+
 class RankSources(Sequence[str]):
     """Rank ``r``'s module source as ``sources[r]``, generated on first access (see the module docstring)."""
 
-    def __init__(self, program: Program, steps: StepProgram, plan_hash: str, label: str) -> None:
-        """``steps``: the step's program (each rank's actions and buckets); ``plan_hash``: the hash the headers quote."""
-        self.program = program
-        self.steps = steps
+    def __init__(self, lowered: Lowered, plan_hash: str, label: str) -> None:
+        """``lowered``: the materialization and the step's program (each rank's actions and buckets); ``plan_hash``: the
+        hash the headers quote."""
+        self.lowered = lowered
         self.plan_hash = plan_hash
         self.label = label
         self._sources: dict[int, str] = {}
 
     def __len__(self) -> int:
-        return self.program.world_size
+        return self.lowered.materialized.world_size
 
     @overload
     def __getitem__(self, rank: int) -> str: ...
@@ -67,5 +101,6 @@ class RankSources(Sequence[str]):
         return sorted(self._sources)
 
     def _emit(self, rank: int) -> str:
-        releases = rank_releases(self.program, self.steps, rank) if self.program.pipelined else None
-        return emit_rank(self.program, rank, self.plan_hash, self.label, self.steps.zero_stage, self.steps.actions[rank], self.steps.buckets[rank], releases)
+        program, steps = self.lowered.of_rank(rank)
+        releases = rank_releases(program, steps, rank) if program.pipelined else None
+        return emit_rank(program, rank, self.plan_hash, self.label, steps.zero_stage, steps.actions[rank], steps.buckets[rank], releases)

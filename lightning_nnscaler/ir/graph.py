@@ -112,6 +112,11 @@ class Graph:
     def replace_op(self, op: Op | str, replacements: list[Op]) -> None:
         """Put ``replacements`` where ``op`` was."""
         name = self.op(op).name
+        if len(replacements) == 1 and replacements[0].name == name:  # the op changed in place (op_assign): same links
+            self._by_name[name] = replacements[0]
+            self._flat = None
+            self._ordered_under = None
+            return
         del self._by_name[name]
         before, after = self._previous.pop(name), self._next.pop(name)
         self._link(before, [replacement.name for replacement in replacements], after)

@@ -8,6 +8,7 @@ Two pieces depend on each other iff they belong to the same PTensor and their ma
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -58,6 +59,11 @@ class PTensor:
         """Number of dims."""
         return len(self.shape)
 
+    @functools.cached_property
+    def full_ranges(self) -> Box:
+        """The ranges of the mask covering the whole tensor (``IndexMask.full(shape).ranges``), found once."""
+        return full_box(self.shape)
+
     @property
     def numel(self) -> int:
         """Number of elements."""
@@ -66,6 +72,9 @@ class PTensor:
     def full(self) -> VTensor:
         """The piece that is the whole tensor."""
         return VTensor(self, IndexMask.full(self.shape), ValueMask())
+
+
+_RANGE = "{0[0]}:{0[1]}"  # one range of a mask's text, ``start:stop``
 
 
 @dataclass(frozen=True)
@@ -115,7 +124,7 @@ class IndexMask:
         )
 
     def __str__(self) -> str:
-        return "[" + ", ".join(f"{start}:{stop}" for start, stop in self.ranges) + "]"
+        return "[" + ", ".join(map(_RANGE.format, self.ranges)) + "]"
 
 
 @dataclass(frozen=True)
@@ -163,7 +172,7 @@ class VTensor:
     @property
     def is_full(self) -> bool:
         """Whether the piece is the whole tensor with its whole value."""
-        return self.index.is_full(self.tensor.shape) and self.value.is_full
+        return self.index.ranges == self.tensor.full_ranges and self.value.is_full
 
     def split_dim(self, dim: int, parts: int) -> list[VTensor]:
         """Pieces cutting dim ``dim`` into ``parts``."""
@@ -179,7 +188,7 @@ class VTensor:
 
     def __str__(self) -> str:
         text = f"%{self.tensor.name}"
-        if not self.index.is_full(self.tensor.shape):
+        if self.index.ranges != self.tensor.full_ranges:
             text += str(self.index)
         if not self.value.is_full:
             text += str(self.value)

@@ -219,46 +219,51 @@ def _data_edges(graph: Graph) -> dict[str, dict[str, str]]:
     # tensor name -> index box -> ops writing it (value shares of one box share an entry)
     # A piece written exactly (same box and value part) is read from its writers alone, as
     # materialization does: microbatch k's share of a loss depends on microbatch k only.
+    # Keys are plain tuples (tensor, ranges, value part, parts): hashed in C, not by the masks' dataclass hashes.
     producers: dict[str, dict[IndexMask, list[str]]] = defaultdict(lambda: defaultdict(list))
-    exact: dict[tuple[str, IndexMask, object], list[str]] = defaultdict(list)
+    exact: dict[tuple, list[str]] = defaultdict(list)
     for op in graph.ops:
         for piece in op.outputs:
             producers[piece.name][piece.index].append(op.name)
-            exact[(piece.name, piece.index, piece.value)].append(op.name)
+            exact[(piece.tensor.name, piece.index.ranges, piece.value.part, piece.value.parts)].append(op.name)
     writers = {name: _BoxIndex(boxes) for name, boxes in producers.items()}
     # Many consumers read the same piece (replicated or sibling ops): look each piece up once.
-    overlapping: dict[tuple[str, IndexMask], list[str]] = {}
+    overlapping: dict[tuple, list[str]] = {}
     edges: dict[str, dict[str, str]] = {}
     place = {op.name: (op.device, op.segment) for op in graph.ops}
-    copies_at: dict[tuple[str, IndexMask, object], dict[tuple, list[str]]] = {}
+    copies_at: dict[tuple, dict[tuple, list[str]]] = {}
     for op in graph.ops:
         reads: dict[str, str] = {}
+        name, at = op.name, (op.device, op.segment)
         for piece in op.tensor_inputs:
-            key = (piece.name, piece.index)
-            if key not in overlapping:
-                overlapping[key] = writers[piece.name].writers(piece.index) if piece.name in writers else []
-            copies = exact.get((piece.name, piece.index, piece.value))
+            tensor, index, value = piece.tensor.name, piece.index, piece.value
+            key = (tensor, index.ranges, value.part, value.parts)
+            copies = exact.get(key)
             if copies and op.segment is not None:  # a pipelined reader uses the copy its own segment writes, if any
-                copies = _copies_by_place(copies_at, (piece.name, piece.index, piece.value), copies, place).get((op.device, op.segment)) or copies
-            for producer in copies or overlapping[key]:
-                if producer != op.name:
-                    reads.setdefault(producer, piece.name)
-        edges[op.name] = reads
+                copies = _copies_by_place(copies_at, key, copies, place).get(at) or copies
+            if not copies:
+                copies = overlapping.get(key[:2])
+                if copies is None:
+                    copies = overlapping[key[:2]] = writers[tensor].writers(index) if tensor in writers else []
+            for producer in copies:
+                if producer != name and producer not in reads:
+                    reads[producer] = tensor
+        edges[name] = reads
     return edges
 
 
 def _copies_by_place(
-    cache: dict[tuple[str, IndexMask, object], dict[tuple, list[str]]], key: tuple[str, IndexMask, object], copies: list[str],
+    cache: dict[tuple, dict[tuple, list[str]]], key: tuple, copies: list[str],
     place: dict[str, tuple],
 ) -> dict[tuple, list[str]]:
     """The writers ``copies`` of one exact piece by their (device, segment), grouped once per piece (``cache``): a piece
     copied on every rank is read on every rank, and each reader looking through all copies would cost O(ranks²)."""
-    if key not in cache:
-        grouped: dict[tuple, list[str]] = defaultdict(list)
+    grouped = cache.get(key)
+    if grouped is None:
+        grouped = cache[key] = defaultdict(list)
         for name in copies:
             grouped[place[name]].append(name)
-        cache[key] = grouped
-    return cache[key]
+    return grouped
 
 
 class _BoxIndex:
@@ -319,13 +324,14 @@ def _device_sequence(graph: Graph) -> list[tuple[str, str]]:
 
 def _successors(graph: Graph, data: dict[str, dict[str, str]], edges: list[tuple[str, str]]) -> dict[str, list[str]]:
     """op name -> ops that must wait for it: data readers and ``edges`` targets, each once."""
-    successors: dict[str, dict[str, None]] = {op.name: {} for op in graph.ops}
-    for consumer, reads in data.items():
+    successors: dict[str, list[str]] = {op.name: [] for op in graph.ops}
+    for consumer, reads in data.items():  # each consumer's producers are distinct: no reader is listed twice
         for producer in reads:
-            successors[producer][consumer] = None
+            successors[producer].append(consumer)
     for before, after in edges:
-        successors[before][after] = None
-    return {name: list(targets) for name, targets in successors.items()}
+        if after not in successors[before]:
+            successors[before].append(after)
+    return successors
 
 
 def _check_order_edges(graph: Graph) -> None:

@@ -14,6 +14,13 @@ segment, so pieces are looked up per segment (the prologue's and the held inputs
 all). A piece produced in another segment — on this rank or another — arrives as a boundary
 message (see ``program``); one produced by the prologue of another rank is received in this
 rank's prologue, once.
+
+Rank-local (``rank=r``, pipelined plans): rank ``r``'s program alone is built whole. Every op's outputs are
+still recorded (any rank's piece may serve ``r``), every collective is still routed (each rank's code lists
+every group), and a piece another rank reads is fetched only when ``r`` holds a piece overlapping it (else
+``r`` can take no part in that transfer); of the other ranks' programs only their messages with ``r`` and
+their collectives are whole. Rank ``r``'s actions, names and tags are those of the whole materialization: each comes from
+the same steps, in the same order.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from lightning_nnscaler.materialize.tags import ChannelTags
 from lightning_nnscaler.materialize.written import Written, WrittenPieces
 
 PieceKey = tuple[Segment, str, IndexMask, object]
+SKIPPED = "<not built>"
+"""The variable of a piece a rank-local materialization did not fetch (on a rank whose code it does not build)."""
 
 
 class MaterializeError(NnScalerError, ValueError):
@@ -46,7 +55,7 @@ class MaterializeError(NnScalerError, ValueError):
 
 def materialize(
     graph: Graph, world_size: int, *, validate: bool = True, collectives: bool = True, cost: CostModel | None = None,
-    shared_stages: frozenset[int] = frozenset(),
+    shared_stages: frozenset[int] = frozenset(), rank: int | None = None,
 ) -> Program:
     """Lower a placed graph into per-rank programs (see the module docstring).
 
@@ -59,10 +68,12 @@ def materialize(
         shared_stages: Pipeline stages that every rank runs at its own point of its own list (the
             interlaced pipeline's vocabulary layers): their pieces meet only by collectives, never by
             point-to-point messages, which could pair with the pipeline's own messages in another order.
+        rank: Build only this rank's program whole (``Program.local_rank``, see the module docstring); a plan that
+            does not pipeline is built whole all the same (its early sends look at each sender's whole program).
     """
     if validate:
         validate_plan(graph, world_size)
-    return _Builder(graph, world_size, cost if collectives else None, collectives, shared_stages).run()
+    return _Builder(graph, world_size, cost if collectives else None, collectives, shared_stages, rank).run()
 
 
 def _bounding(masks: list[IndexMask]) -> IndexMask:
@@ -70,7 +81,10 @@ def _bounding(masks: list[IndexMask]) -> IndexMask:
 
 
 class _Builder:
-    def __init__(self, graph: Graph, world_size: int, cost: CostModel | None, collectives: bool, shared_stages: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self, graph: Graph, world_size: int, cost: CostModel | None, collectives: bool, shared_stages: frozenset[int] = frozenset(),
+        rank: int | None = None,
+    ) -> None:
         self.graph = graph
         self.cost = cost
         self.collectives = collectives
@@ -94,6 +108,8 @@ class _Builder:
             loose = [op.name for op in graph.ops if op.segment is None]
             if loose:
                 raise MaterializeError(f"a pipelined plan must give every op a segment; {_first(loose)} have none")
+        self.local = rank if self.pipelined else None  # the one rank built whole (None: every rank)
+        self.local_pieces: dict[str, list[VTensor]] = defaultdict(list)  # tensor -> the pieces ``local`` wrote
 
     def var(self, rank: int, base: str) -> str:
         return self.names.new(rank, base)
@@ -102,13 +118,20 @@ class _Builder:
         self.hold_graph_inputs()
         for position, op in enumerate(self.graph.ops):
             rank = op.device
-            input_vars = tuple(self.obtain(rank, piece, position, op, index) for index, piece in enumerate(op.tensor_inputs))
-            output_vars = tuple(self.var(rank, output.name) for output in op.outputs)
-            self.programs[rank].actions.append(Compute(position, op, input_vars, output_vars))
+            if self.local is None or rank == self.local:
+                input_vars = tuple(self.obtain(rank, piece, position, op, index) for index, piece in enumerate(op.tensor_inputs))
+                output_vars = tuple(self.var(rank, output.name) for output in op.outputs)
+                self.programs[rank].actions.append(Compute(position, op, input_vars, output_vars))
+            else:
+                for index, piece in enumerate(op.tensor_inputs):
+                    self.obtain_elsewhere(rank, piece, position, op, index)
+                output_vars = tuple(f"{output.name}@{position}" for output in op.outputs)  # a key: this rank's code is not built
             for output, var in zip(op.outputs, output_vars):
                 self.written[output.name].add(Written(output, rank, var, position))
                 self.segment_of[(rank, var)] = op.segment
                 self.cache[rank].setdefault((op.segment, output.name, output.index, output.value), var)
+                if rank == self.local:
+                    self.local_pieces[output.name].append(output)
         self.collect_outputs()
         ordered_ops = {name for edge in self.graph.order_edges for name in edge}
         for program in self.programs:
@@ -116,7 +139,8 @@ class _Builder:
             if not self.pipelined:  # segments keep their actions; the prologue already runs first
                 issue_sends_early(program, ordered_ops)
         updates = {new: self.graph.tensors[buffer].state_key for buffer, new in self.graph.buffer_updates.items()}
-        return Program(len(self.programs), self.programs, self.gradient_groups(), self.graph.outputs[0] if self.graph.outputs else None, updates)
+        loss = self.graph.outputs[0] if self.graph.outputs else None
+        return Program(len(self.programs), self.programs, self.gradient_groups(), loss, updates, local_rank=self.local)
 
     # --- graph inputs -------------------------------------------------------------------------
 
@@ -140,8 +164,11 @@ class _Builder:
                     self.programs[rank].inputs.append(LocalTensor(var, name, tensor.state_key, box_of(box), tensor.role))
 
     def gradient_groups(self) -> list[GradientGroup]:
+        """The parameter boxes several ranks sum, in the module's registration order (``graph.parameters``): the order
+        the gradient buckets are cut in reverse, as backward roughly produces the gradients."""
+        registered = {tensor.name: index for index, tensor in enumerate(self.graph.parameters)}
         groups: dict[tuple[str, tuple], list[int]] = defaultdict(list)
-        for (rank, name), held in sorted(self.held.items()):
+        for (rank, name), held in sorted(self.held.items(), key=lambda item: (registered.get(item[0][1], len(registered)), item[0][1], item[0][0])):
             tensor = self.graph.tensors[name]
             if tensor.role == "parameter" and tensor.requires_grad:
                 for _, box in held:
@@ -166,6 +193,23 @@ class _Builder:
             var = self.fetch(rank, piece, position, reader.name, segment)
         self.cache[rank][key] = var
         return var
+
+    def obtain_elsewhere(self, rank: int, piece: VTensor, position: int, reader: Op, input_index: int) -> None:
+        """``obtain`` on a rank other than ``local`` as far as ``local`` takes part: the collectives, and the fetches
+        ``local`` may serve (it holds an overlapping piece); any other read is recorded as done, so that a later
+        read of the same piece on that rank is skipped as the whole materialization would skip it."""
+        key = (reader.segment, piece.name, piece.index, piece.value)
+        cache = self.cache[rank]
+        if key in cache or (self.pipelined and (PROLOGUE, *key[1:]) in cache):
+            return
+        if self.graph.tensors[piece.name].role != "activation":
+            cache[key] = SKIPPED  # held inputs are sliced locally
+        elif self.collectives and self.route_collectively(piece, position, reader, input_index):
+            return
+        elif any(written.index.intersect(piece.index) is not None for written in self.local_pieces.get(piece.name, ())):
+            cache[key] = self.fetch(rank, piece, position, reader.name, reader.segment)
+        else:
+            cache[key] = SKIPPED
 
     def visible(self, rank: int, var: str, segment: Segment) -> bool:
         """Whether a function of ``segment`` on ``rank`` can read ``var`` (its own, or the prologue's)."""

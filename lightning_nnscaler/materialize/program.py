@@ -187,6 +187,9 @@ class Program:
     buffer_updates: dict[str, str] = field(default_factory=dict)
     """New buffer values (``Graph.buffer_updates``): tensor name -> the buffer's state_dict key. Each rank writes
     its own pieces into the buffer boxes it holds after the step (never summed: per replica, as under ddp)."""
+    local_rank: int | None = None
+    """None: every rank's program is whole. Else only this rank's is (a rank-local materialization, ``materialize(rank=)``);
+    of the other ranks' programs only their messages with it, their collectives, outputs and held inputs are whole."""
 
     @functools.cached_property
     def pipelined(self) -> bool:

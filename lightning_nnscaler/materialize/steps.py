@@ -101,15 +101,20 @@ def check_message_order(materialized: Materialized, steps: Program) -> None:
     order they are sent when each rank runs its actions in ``steps``: NCCL pairs point-to-point messages in
     posting order and ignores tags. Every message counts: the boundary messages at the program's
     RECV/SEND actions, and the messages inside a segment (its forward in program order, the gradients of
-    the floating ones in reverse in its backward)."""
+    the floating ones in reverse in its backward).
+
+    A rank-local ``materialized`` (``local_rank``) holds whole only the channels of its rank: those are checked
+    (every rank checks its own, so a job's ranks together check every pair)."""
     sent: dict[tuple[int, int], list[tuple[str, int]]] = {}
     received: dict[tuple[int, int], list[tuple[str, int]]] = {}
     floating = {(action.src, rank_program.rank, action.tag): action.dtype.startswith(("float", "bfloat", "complex"))
                 for rank_program in materialized.ranks for action in rank_program.actions if isinstance(action, Recv)}
+    local = materialized.local_rank
     for rank_program in materialized.ranks:
         rank = rank_program.rank
         for kind, src, dst, tag in _posted_messages(rank_program, steps.actions[rank], floating):
-            (sent if src == rank else received).setdefault((src, dst), []).append((kind, tag))
+            if local is None or local in (src, dst):
+                (sent if src == rank else received).setdefault((src, dst), []).append((kind, tag))
     for (src, dst), messages in sorted(sent.items()):
         got = received.get((src, dst), [])
         if src != dst and messages != got:
