@@ -46,8 +46,10 @@ def _backward(ctx, gradient: torch.Tensor) -> tuple[torch.Tensor, None, None, No
     if ctx.padding_idx >= 0:
         inside = inside & (ids != ctx.padding_idx)
     table_gradient = torch.zeros((ctx.rows, ctx.width), dtype=gradient.dtype, device=gradient.device)
-    rows = gradient.reshape(-1, ctx.width)[inside.reshape(-1)]
-    table_gradient.index_add_(0, local.reshape(-1)[inside.reshape(-1)], rows)
+    # The rows of ids outside the slice add exact zeros (into row 0), rather than being selected out: no shape
+    # depends on the ids' values, so torch.compile traces this backward whole.
+    rows = torch.where(inside.reshape(-1, 1), gradient.reshape(-1, ctx.width), 0)
+    table_gradient.index_add_(0, local.reshape(-1), rows)
     return table_gradient, None, None, None
 
 

@@ -100,6 +100,7 @@ from lightning_nnscaler.ir.randomness import RandomStream
 from lightning_nnscaler.plan import Plan
 from lightning_nnscaler.plans.catalog import on_register
 from lightning_nnscaler.runtime import TorchDistributedCommunicator
+from lightning_nnscaler.runtime.compiled import CompileOptions
 from lightning_nnscaler.runtime.executor import RankExecutor
 from lightning_nnscaler import checkpoint as sharded_checkpoint
 from lightning_nnscaler.strategy.checkpoint import (
@@ -159,6 +160,11 @@ class NnScalerStrategy(ParallelStrategy):
             from them instead of its recorded initialization, each rank reading only its own pieces' slices
             (``checkpoint.pretrained``); an eager module's values are replaced by them at setup (every rank reads them
             whole). A checkpoint loaded with ``ckpt_path`` wins; ``bytes_read`` counts what a rank read.
+        compile: Run each generated segment function (forward, and its backward through AOTAutograd) under
+            ``torch.compile``, communication as graph breaks (``runtime.compiled``). Off by default. A module the
+            user passed through ``torch.compile`` turns it on with that call's backend and options.
+        compile_options: Keyword arguments of ``torch.compile`` for the segments (backend, mode, options, ...);
+            only with ``compile=True``.
         allow_partial: Accept a plan that leaves whole (replicated) some ops the recipe means to
             split, e.g. attention whose heads its pieces do not divide, with a ``PartialPlanWarning``
             saying how much of the model was split. By default such a recipe is refused at setup.
@@ -166,7 +172,8 @@ class NnScalerStrategy(ParallelStrategy):
 
     Raises:
         RecipeError: the recipe is not in the catalog, or a parameter is unknown, missing, of the wrong type or below its minimum.
-        ValueError: a ``timeout``, ``start_method`` or ``bucket_cap_mb`` that cannot work.
+        ValueError: a ``timeout``, ``start_method`` or ``bucket_cap_mb`` that cannot work; ``compile_options`` without
+            ``compile=True``, or naming what ``torch.compile`` does not take.
         CheckpointError: ``pretrained`` is no safetensors file or directory of them; at setup, a key of the module is
             not in it or is stored with another shape (the message names the key and both shapes).
     """
@@ -185,6 +192,8 @@ class NnScalerStrategy(ParallelStrategy):
         overlap_optimizer: bool = True,
         bucket_cap_mb: Optional[float] = None,
         pretrained: Optional[Union[str, os.PathLike]] = None,
+        compile: bool = False,
+        compile_options: Optional[dict[str, Any]] = None,
         **recipe_params: Any,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
@@ -198,8 +207,12 @@ class NnScalerStrategy(ParallelStrategy):
             )
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
             raise ValueError(f"NnScalerStrategy(bucket_cap_mb={bucket_cap_mb!r}): give a positive size in MiB, or None for 25")
+        if compile_options is not None and not compile:
+            raise ValueError(f"NnScalerStrategy(compile_options={compile_options!r}) compiles nothing without compile=True")
         self.recipe = recipe
         self.recipe_params = dict(recipe_params)
+        self.compile = CompileOptions(dict(compile_options or {})) if compile else None
+        """How the segment functions are compiled (``compile=True``); None: eagerly, unless the module was compiled."""
         self.timeout = timeout
         self.allow_partial = allow_partial
         self.overlap_optimizer = overlap_optimizer
@@ -232,7 +245,8 @@ class NnScalerStrategy(ParallelStrategy):
         self._checkpoint_bytes_read = 0
         """Bytes this rank read from sharded checkpoints per slice (``restore_pieces``)."""
         self.compile_context: Any = None
-        """The ``torch.compile`` context of a compiled module the user passed (its steps are planned uncompiled)."""
+        """The ``torch.compile`` context of a compiled module the user passed (its steps are planned uncompiled, and
+        its segments compiled with it unless ``compile=True`` gave options)."""
         """What ``tensor_init_context`` recorded: the initial values of the module's meta tensors."""
         """Evaluation steps' plans by ``EvaluationCall.key``; None where the step runs on the full module."""
         self._layout: Optional[RecipeLayout] = None
@@ -256,15 +270,23 @@ class NnScalerStrategy(ParallelStrategy):
     def _lightning_module(self, module: Optional[LightningModule]) -> None:
         """Lightning hands the strategy a ``torch.compile``'d module unwrapped, its steps still compiled
         (``from_compiled``); the plan captures the steps as written, so they are uncompiled here, before
-        Lightning checks the strategy supports compilation, and the compile options are kept."""
+        Lightning checks the strategy supports compilation, and the compile context is kept: the generated
+        segments run under it (``segment_compile``), as ddp runs the compiled module."""
         if module is not None and getattr(module, "_compiler_ctx", None) is not None:
             self.compile_context = module._compiler_ctx["dynamo_ctx"]
             to_uncompiled(module)
-            rank_zero_warn(
-                f"NnScalerStrategy plans {type(module).__name__} as written, not as torch.compile compiled it: the generated "
-                "per-rank code runs eagerly (compiling it is not built yet)"
+            rank_zero_info(
+                f"NnScalerStrategy plans {type(module).__name__} as written and compiles the generated per-rank segments "
+                "with the module's torch.compile options"
             )
         self.__dict__["_module_uncompiled"] = module
+
+    @property
+    def segment_compile(self) -> Optional[CompileOptions]:
+        """How the executors compile the segments: ``compile=True``'s options, else a compiled module's context, else None."""
+        if self.compile is None and self.compile_context is not None:
+            return CompileOptions(compiler=self.compile_context)
+        return self.compile
 
     @property
     @override
@@ -518,7 +540,7 @@ class NnScalerStrategy(ParallelStrategy):
         self.executor = RankExecutor(
             code, rank, state, plan.graph.constant_values, communicator, self.root_device, input_offsets=plan.input_offsets(rank),
             share_parameters=True,
-            materialize=self._materialize_piece,
+            materialize=self._materialize_piece, compile=self.segment_compile,
         )
         self.plan = plan
         self._plans_by_shape[signature] = [(plan, self.executor)]
@@ -794,7 +816,7 @@ class NnScalerStrategy(ParallelStrategy):
         executor = RankExecutor(
             code, rank, state, plan.graph.constant_values, TorchDistributedCommunicator(timeout=self.timeout), self.root_device,
             input_offsets=plan.input_offsets(rank), share_parameters=False,  # its reducer must not hook the module's tensors
-            materialize=self._materialize_piece,
+            materialize=self._materialize_piece, compile=self.segment_compile,
         )
         if self._pending_pieces is not None:  # evaluating a checkpoint of a module built on meta
             self._checkpoint_bytes_read += restore_pieces(self._pending_pieces, module, executor, None, {})

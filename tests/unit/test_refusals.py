@@ -80,6 +80,14 @@ CASES: dict[str, tuple[Callable[[], Any], type[BaseException], str]] = {
     "NnScalerStrategy(timeout=-5.0)": (_strategy(timeout=-5.0), ValueError, r"NnScalerStrategy\(timeout=-5\.0\): .*> 0"),
     "NnScalerStrategy(timeout=nan)": (_strategy(timeout=float("nan")), ValueError, r"NnScalerStrategy\(timeout=nan\): .*> 0"),
     "NnScalerStrategy(timeout='60')": (_strategy(timeout="60"), ValueError, r"NnScalerStrategy\(timeout='60'\): .*number > 0"),
+    "NnScalerStrategy(compile_options=...) without compile=True": (
+        _strategy(compile_options={"backend": "aot_eager"}), ValueError,
+        r"NnScalerStrategy\(compile_options=\{'backend': 'aot_eager'\}\) compiles nothing without compile=True",
+    ),
+    "NnScalerStrategy(compile=True, compile_options={'backnd': ...})": (
+        _strategy(compile=True, compile_options={"backnd": "inductor"}), ValueError,
+        r"compile_options \['backnd'\]: not options of torch.compile \(it takes backend, ",
+    ),
     "dp over 4 replicas, a batch of 2 rows": (
         _plan(2, "dp", 4), ValueError,
         r"recipe 'dp' on 4 ranks splits the batch over 4 data-parallel replicas \(dp=4\), but batch input %\w+ has 2 rows, "
