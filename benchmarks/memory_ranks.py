@@ -3,7 +3,8 @@
 Run by ``memory.py`` in a fresh process per configuration (Lightning launches the other ranks, as users run it):
 ``python benchmarks/memory_ranks.py --strategy nnscaler_tp --devices 4 --out DIR``. Each rank writes
 ``DIR/rank<r>.json``: its peak resident memory above what the process held before the model existed (CPU: RSS
-high-water mark; CUDA: ``max_memory_allocated``), and on rank 0 of an nnscaler run explain()'s per-rank prediction.
+high-water mark; CUDA: ``max_memory_allocated``), and on an nnscaler run explain()'s and the simulator's per-rank
+predictions.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def main() -> None:
     plan = getattr(trainer.strategy, "plan", None)
     if plan is not None:
         report["explain"] = [sum(row[key] for key in MEMORY_KEYS) for row in plan.memory_rows()]
+        report["simulated"] = [sum(row[key] for key in MEMORY_KEYS) for row in lnn.sim.predict(plan, "cpu").memory]
     Path(arguments.out).mkdir(parents=True, exist_ok=True)
     (Path(arguments.out) / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 

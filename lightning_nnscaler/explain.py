@@ -18,7 +18,11 @@ transient           0                             replicated boxes' full        
 
 A chunk is ``ceil(numel / p)`` elements of a box replicated on ``p`` ranks (the reducer pads the
 last one). A box held by one rank keeps a plain ``.grad`` and is never sharded. ``transient`` is
-memory that exists only between the forward and the end of backward; the rest is held across steps.
+memory that exists only between the forward and the end of backward; the rest is held across steps. With
+the step's program, the transient column narrows to what the runtime keeps at once: in one backward, the two
+largest buckets of full gradients (each bucket is reduce-scattered as soon as backward completes it) beside
+ZeRO-3's boxes; in a plan cut into stages (ZeRO-3's per-layer default), the most gathered boxes and full
+gradients its GATHER / FREE / REDUCE leave alive at once (``gathered_peak``).
 
 Communication is the bytes a rank sends per step, by the ring formulas of ``materialize.AlphaBeta``
 for a buffer of ``n`` bytes among ``p`` ranks: all-reduce ``2(p-1)/p·n``; all-gather,
@@ -44,6 +48,8 @@ from lightning_nnscaler.ir.tensor import dtype_bytes
 from lightning_nnscaler.materialize.kept import KeptBytes, backward_seed_bytes
 from lightning_nnscaler.materialize.program import Collective, Compute, Program, Recv
 from lightning_nnscaler.plans.context import PipelinePlan
+from lightning_nnscaler.program import ActionKind
+from lightning_nnscaler.program import Program as StepProgram
 
 MEMORY_KEYS = ("parameters", "gradients", "optimizer", "activations", "transient")
 """The memory columns of a row, in bytes; their sum is the rank's estimated peak."""
@@ -62,13 +68,16 @@ TRANSIENT_NOTE = "transient: ZeRO's full-size boxes (stage 3) and gradients (sta
 
 def explain_rank(
     program: Program, rank: int, pipeline: PipelinePlan | None = None, *, zero_stage: int = 0,
-    element_bytes: Mapping[str, int] | None = None,
+    element_bytes: Mapping[str, int] | None = None, step: StepProgram | None = None,
 ) -> dict[str, int]:
     """Rank ``rank``'s row: bytes held (``MEMORY_KEYS``) and sent per step (see the module docstring).
 
     Activations are the tensors autograd saves for backward; under a ``pipeline``, the most that its schedule
     keeps at once (each segment's from its F to its last backward half). ``element_bytes`` maps a
-    parameter's graph name to its bytes per element (4 for names it lacks).
+    parameter's graph name to its bytes per element (4 for names it lacks). Under ZeRO with the ``step``
+    program, the transient column is: cut into stages (ZeRO-3), the most gathered boxes and full gradients its
+    GATHER / FREE / REDUCE keep alive at once; in one backward, the boxes gathered for the step (ZeRO-3) and the two
+    largest buckets of full gradients. Without it, every replicated box's full gradient (and box) counts.
     """
     sizes = element_bytes or {}
     boxes = {
@@ -92,14 +101,66 @@ def explain_rank(
             continue
         chunk = math.ceil(_numel(box) / replicas) * sizes.get(name, 4)
         _add_replicated(row, zero_stage, size, chunk, replicas)
+    if zero_stage == 3 and step is not None and pipeline is not None:
+        row["transient"] = gathered_peak(step, rank)
+        row["gradient_communication"] += _gathers_again(step, rank)
+    elif zero_stage and step is not None:  # one backward: each bucket is reduce-scattered once its gradients are complete
+        gathered = sum(size for (name, box), size in boxes.items() if trainable.get((name, box), 0) > 1) if zero_stage == 3 else 0
+        row["transient"] = gathered + _in_flight_gradients(step, rank)
     row["communication"] += row["gradient_communication"] + _step_sum_bytes(program)
     return row
 
 
-def memory_rows(program: Program, parameters: Sequence[Any], pipeline: PipelinePlan | None = None, *, zero_stage: int = 0) -> list[dict[str, int]]:
+def _gathers_again(step: StepProgram, rank: int) -> int:
+    """Bytes ZeRO-3 sends gathering buckets more than once a step (a stage gathered for its forward, then again
+    for its backward); ``_add_replicated`` counts one gather of each."""
+    buckets = step.buckets[rank]
+    gathers = [buckets[action.bucket] for action in step.actions[rank] if action.kind is ActionKind.GATHER]
+    return sum(ring_bytes("all_gather", len(bucket.ranks), bucket.nbytes) for bucket in gathers) - sum(
+        ring_bytes("all_gather", len(bucket.ranks), bucket.nbytes) for bucket in buckets
+    )
+
+
+def _in_flight_gradients(step: StepProgram, rank: int) -> int:
+    """Full-size gradients alive at once when a single backward reduce-scatters each bucket as soon as backward
+    completes it (the runtime's hooks): about the bucket being summed and the next one filling, the two largest."""
+    return sum(sorted((bucket.nbytes for bucket in step.buckets[rank]), reverse=True)[:2])
+
+
+def gathered_peak(step: StepProgram, rank: int) -> int:
+    """Most bytes of ZeRO-3's gathered boxes and their full-size gradients alive at once in ``rank``'s step.
+
+    A GATHER makes a bucket's boxes whole and its FREE releases them; a backward of a stage makes the full
+    gradients of that stage's buckets (every bucket, when they name no stage), which live until their REDUCE.
+    """
+    buckets = step.buckets[rank]
+    gathered, pending, peak = 0, 0, 0
+    waiting = set(range(len(buckets)))  # buckets whose gradients backward has not made yet
+    for action in step.actions[rank]:
+        if action.kind is ActionKind.GATHER:
+            gathered += buckets[action.bucket].nbytes
+        elif action.kind is ActionKind.FREE:
+            gathered -= buckets[action.bucket].nbytes
+        elif action.kind is ActionKind.BACKWARD:
+            made = {index for index in waiting if buckets[index].stage in (None, action.stage)}
+            pending += sum(buckets[index].nbytes for index in made)
+            waiting -= made
+        elif action.kind is ActionKind.REDUCE:
+            pending -= buckets[action.bucket].nbytes
+        peak = max(peak, gathered + pending)
+    return peak
+
+
+def memory_rows(
+    program: Program, parameters: Sequence[Any], pipeline: PipelinePlan | None = None, *, zero_stage: int = 0,
+    step: StepProgram | None = None,
+) -> list[dict[str, int]]:
     """Every rank's ``explain_rank`` row; ``parameters`` are the graph's parameter tensors (their dtypes give the bytes)."""
     element_bytes = {tensor.name: dtype_bytes(tensor.dtype) for tensor in parameters}
-    return [explain_rank(program, rank, pipeline, zero_stage=zero_stage, element_bytes=element_bytes) for rank in range(program.world_size)]
+    return [
+        explain_rank(program, rank, pipeline, zero_stage=zero_stage, element_bytes=element_bytes, step=step)
+        for rank in range(program.world_size)
+    ]
 
 
 def _step_sum_bytes(program: Program) -> int:
@@ -136,14 +197,14 @@ def _activations_and_messages(program: Program, rank: int, pipeline: PipelinePla
         saved.follow(action)
         if isinstance(action, Compute):
             kept[action.segment] = kept.get(action.segment, 0) + saved.kept(action)
-        elif isinstance(action, Recv) and action.gradient and _is_floating(action.dtype):
+        elif isinstance(action, Recv) and action.src != rank and action.gradient and _is_floating(action.dtype):
             sent += _numel_of(action.shape) * dtype_bytes(action.dtype)  # the gradient it sends back
         elif isinstance(action, Collective):
             sent += 2 * ring_bytes(action.kind, len(action.ranks), action.bytes_per_device)  # forward and its adjoint
-    for other in program.ranks:
+    for receiver, other in enumerate(program.ranks):  # a stage's message to a stage on the same rank stays local
         sent += sum(
             _numel_of(action.shape) * dtype_bytes(action.dtype)
-            for action in other.actions if isinstance(action, Recv) and action.src == rank
+            for action in other.actions if isinstance(action, Recv) and action.src == rank and receiver != rank
         )
     activations = sum(kept.values()) if pipeline is None else _peak_kept(kept, backward_seed_bytes(program, rank), pipeline.actions(rank))
     return activations, sent

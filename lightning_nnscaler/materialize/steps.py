@@ -78,14 +78,11 @@ def step_program(
     """The step's program: ``lists`` are the ranks' compute actions (None: not pipelined, ``WHOLE_STEP_ACTIONS``).
 
     Raises:
-        PlanError: ZeRO over a schedule of several microbatches (the reducer sums a box once per step).
+        PlanError: ZeRO over a schedule of several microbatches where a rank runs several stages (``refuse_zero``).
     """
     world_size = materialized.world_size
-    if zero_stage and lists is not None and any(action.microbatch for rank_actions in lists for action in rank_actions):
-        raise PlanError(
-            f"ZeRO stage {zero_stage} with several microbatches per step: a box's gradient would be reduce-scattered after "
-            "its first microbatch; use one microbatch (zero3's stages do), or a pipeline recipe without ZeRO"
-        )
+    if zero_stage and lists is not None:
+        refuse_zero(lists, zero_stage)
     groups = rank_gradient_groups(materialized)
     staged = zero_stage == 3 and lists is not None  # ZeRO-3 over a plan cut into stages: one stage's boxes per bucket
     buckets = [rank_buckets(groups[rank], dtypes, bucket_bytes, bool(zero_stage), box_stages(materialized.ranks[rank]) if staged else None)
@@ -94,6 +91,26 @@ def step_program(
     compute = [WHOLE_STEP_ACTIONS] * world_size if lists is None else lists
     return lower_step(compute, lambda rank, segment: peers[rank].get(segment, SegmentPeers()), buckets,
                       pipelined=lists is not None, zero_stage=zero_stage, bucket_bytes=bucket_bytes)
+
+
+def refuse_zero(lists: Sequence[Sequence[Action]], zero_stage: int) -> None:
+    """Raise ``PlanError`` for ZeRO over a schedule of several microbatches in which a rank runs several stages.
+
+    With one stage per rank (gpipe, 1f1b, zb1, hybrid3d) a rank's boxes accumulate their gradients over every
+    microbatch and are reduce-scattered once, after its last backward, and (ZeRO-3) stay gathered from its first
+    forward to then. With several stages per rank and microbatches, a stage's window would close and open again
+    between its backwards (dropping the gradient it accumulated), and a box summed over ranks that run it in other
+    stages would be gathered or reduce-scattered by one rank while the other waits for its messages.
+    """
+    microbatches = any(action.microbatch for rank_actions in lists for action in rank_actions)
+    several = [rank for rank, rank_actions in enumerate(lists) if len({action.stage for action in rank_actions}) > 1]
+    if microbatches and several:
+        raise PlanError(
+            f"ZeRO stage {zero_stage} with several microbatches per step on a schedule where rank {several[0]} runs several "
+            "stages (interleaved, the V-shapes, 3f1b, interlaced, or a schedule_csv of such): a stage's gradients would be "
+            "reduce-scattered or its parameters freed between its microbatches; use a recipe of one stage per rank with "
+            "zero= (1f1b, gpipe, zb1, hybrid3d), or zero3's stages (one microbatch)"
+        )
 
 
 def check_message_order(materialized: Materialized, steps: Program) -> None:

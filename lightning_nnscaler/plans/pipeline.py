@@ -155,7 +155,8 @@ def pipeline(graph: Graph, ctx: PlanContext, schedule: str, settings: PipelineSe
     if schedule not in SCHEDULE_RULES:
         raise ValueError(f"pipeline: schedule must be one of {SCHEDULES}, got {schedule!r}")
     rule = SCHEDULE_RULES[schedule]
-    refuse_sync_batch_norm(graph, schedule)
+    if settings.microbatches != 1:  # one microbatch: each stage's forward sees the whole batch (zero3's stages)
+        refuse_sync_batch_norm(graph, schedule)
     _check_settings(schedule, rule, settings)
     chunks = rule.stages_per_rank(graph, settings) if callable(rule.stages_per_rank) else rule.stages_per_rank
     grid = _grid(ctx.world_size, settings)

@@ -14,6 +14,7 @@ from lightning_nnscaler.plans.pipeline import PipelineSettings, pipeline
 
 COUNT = {"minimum": 1}  # a count of 0 is refused naming the key, never read as "the default"
 STAGE_INDEX = {"minimum": 0}  # each entry: stage 0 is the first
+ZERO_STAGES = (0, 1, 3)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +45,10 @@ class PipelineConfig(StagedConfig):
     them and backward holds one piece's activations at a time; not a stage of recompute_stages; null co-shards none."""
     shards: int = 2
     """Pieces per rank of each split on the coshard_stages (at least 2: one piece is no co-shard)."""
+    zero: int = field(default=0, metadata=STAGE_INDEX)
+    """ZeRO stage over each stage's data-parallel replicas: 0 replicates, 1 shards the optimizer state over them,
+    3 also the parameters (gathered before the stage's first forward, freed after its last backward); gradients
+    accumulate over the microbatches and are reduce-scattered once, after the stage's last backward."""
     schedule_csv: str | None = None
     """Path of a per-rank action table in torch.distributed.pipelining's CSV format (one row per rank, e.g.
     '0F0,0F1,0B0,...'; F, B, I, W and SEND/RECV cells; empty cells idle) run instead of this recipe's order:
@@ -98,23 +103,42 @@ class Hybrid3DConfig:
     """Stage indices whose segments are co-sharded (see gpipe's); not a stage of recompute_stages; null co-shards none."""
     shards: int = 2
     """Pieces per rank of each split on the coshard_stages (at least 2: one piece is no co-shard)."""
+    zero: int = field(default=0, metadata=STAGE_INDEX)
+    """ZeRO stage over the dp replicas of each stage (with tp, over dp x tp ranks for the boxes a stage's tp ranks
+    replicate): 0 replicates, 1 shards the optimizer state, 3 also the parameters (gathered before the stage's first
+    forward, freed after its last backward); gradients accumulate over the microbatches and are reduce-scattered
+    once, after the stage's last backward."""
+
+
+def _settings(ctx: PlanContext, recipe: str, config: PipelineConfig | Hybrid3DConfig) -> dict[str, Any]:
+    """The config's fields for ``PipelineSettings``, its ``zero`` taken off and set on ``ctx``.
+
+    Raises:
+        ValueError: ``zero`` is not 0, 1 or 3.
+    """
+    fields = fields_of(config)
+    zero = fields.pop("zero")
+    if zero not in ZERO_STAGES:
+        raise ValueError(f"{recipe}: zero must be 0, 1 or 3 (a ZeRO stage; 2 is not one), got {zero!r}")
+    ctx.zero_stage = zero
+    return fields
 
 
 def gpipe_plan(graph: Graph, ctx: PlanContext, config: PipelineConfig) -> None:
     """GPipe (Huang et al. 2019): all forwards, then all backwards; ``stages`` ranks (default: all)."""
-    pipeline(graph, ctx, "gpipe", PipelineSettings(**fields_of(config)))
+    pipeline(graph, ctx, "gpipe", PipelineSettings(**_settings(ctx, "gpipe", config)))
 
 
 def one_f_one_b_plan(graph: Graph, ctx: PlanContext, config: PipelineConfig) -> None:
     """1F1B (PipeDream-Flush): warm-up forwards, then one forward one backward; at most p microbatches stashed
     (``p - r`` on stage ``r``, so recomputing the first stages saves the most)."""
-    pipeline(graph, ctx, "1f1b", PipelineSettings(**fields_of(config)))
+    pipeline(graph, ctx, "1f1b", PipelineSettings(**_settings(ctx, "1f1b", config)))
 
 
 def zb1_plan(graph: Graph, ctx: PlanContext, config: PipelineConfig) -> None:
     """Zero-bubble ZB-H1 (Qi et al. 2024): backward split into input gradients (B) and weight gradients (W).
     A recomputed stage runs its forward again in B and again in W (each backward pass recomputes)."""
-    pipeline(graph, ctx, "zb1", PipelineSettings(**fields_of(config)))
+    pipeline(graph, ctx, "zb1", PipelineSettings(**_settings(ctx, "zb1", config)))
 
 
 def interleaved_plan(graph: Graph, ctx: PlanContext, config: InterleavedConfig) -> None:
@@ -136,8 +160,9 @@ def interlaced_plan(graph: Graph, ctx: PlanContext, config: InterlacedConfig) ->
 
 
 def hybrid3d(graph: Graph, ctx: PlanContext, config: Hybrid3DConfig) -> None:
-    """dp × tp × pp: ``dp`` replicas, each a 1F1B pipeline of ``pp`` stages, each stage Megatron-split over ``tp`` ranks."""
-    fields = fields_of(config)
+    """dp × tp × pp: ``dp`` replicas, each a 1F1B pipeline of ``pp`` stages, each stage Megatron-split over ``tp`` ranks;
+    ``zero`` shards each stage's optimizer state (1) or parameters too (3) over its replicas."""
+    fields = _settings(ctx, "hybrid3d", config)
     pipeline(graph, ctx, "1f1b", PipelineSettings(stages=fields.pop("pp"), **fields))
 
 

@@ -9,14 +9,18 @@ Each pass takes a ``Program`` and returns a new one, and each is tested alone on
   ``SEND_F`` to each rank its outputs go to after it; ``RECV_B`` before B for each rank that sends
   the gradients of its outputs back, ``SEND_B`` after it for each rank that gets its input gradients;
 - ``with_reductions``: ``REDUCE`` of every bucket right after the rank's last action that accumulates
-  parameter gradients (the last W, or B): the buckets start while that action runs, as each fills;
+  parameter gradients (the last W, or B): the buckets start while that action runs, as each fills; under
+  ZeRO (a blocking reduce-scatter) after the ``SEND_B`` that follow it, which a peer in the bucket may wait for;
 - ``with_loss``: ``LOSS`` right after the last forward (and its sends) where the sum may overlap the
   backward (a plan that is not pipelined), else at the end: a collective in flight beside a
   pipeline's point-to-point messages could be ordered differently on each rank (NCCL);
 - ``with_optimizer``: ``STEP``, and ZeRO's gathers: stage 1 gathers every bucket's boxes after ``STEP``;
   stage 3 gathers a bucket before its boxes are used and frees it after: a bucket of one pipeline stage's
   boxes around each run of that stage's compute actions (so a plan cut into stages holds one stage's
-  boxes at a time, as FSDP gathers per layer), any other bucket from the step's first action to ``STEP``.
+  boxes at a time, as FSDP gathers per layer), any other bucket from the step's first action to ``STEP``;
+  a gather goes before the ``RECV_F`` of the action it precedes. A pipeline of one stage per rank and several
+  microbatches (1f1b, hybrid3d with ``zero=3``) thus gathers its stage before its first forward and frees it
+  after its ``REDUCE``: the gradients accumulate over the microbatches in the full-size boxes.
 """
 
 from __future__ import annotations
@@ -102,6 +106,8 @@ def with_reductions(program: Program) -> Program:
             continue
         staged = program.zero_stage == 3
         after = [_last_of_stage(rank_actions, bucket.stage, last) if staged else last for bucket in buckets]
+        if program.zero_stage:  # a blocking reduce-scatter: after the gradients this action sends back, which a peer may wait for
+            after = [_after_sends(rank_actions, position) for position in after]
         order = sorted(range(len(buckets)), key=lambda index: (after[index], index))
         renumbered.append(tuple(buckets[index] for index in order))
         actions: list[Action] = []
@@ -118,6 +124,13 @@ def _last_of_stage(actions: Sequence[Action], stage: int | None, last: int) -> i
         return last
     kind = actions[last].kind
     return max((index for index, action in enumerate(actions) if action.kind is kind and action.stage == stage), default=last)
+
+
+def _after_sends(actions: Sequence[Action], position: int) -> int:
+    """The index of the last ``SEND_B`` right after ``position`` (``position`` itself when none follows it)."""
+    while position + 1 < len(actions) and actions[position + 1].kind is ActionKind.SEND_B:
+        position += 1
+    return position
 
 
 def last_accumulating(actions: Sequence[Action]) -> int | None:
@@ -168,11 +181,15 @@ def _zero3_windows(actions: list[Action], buckets: Sequence[Bucket]) -> list[Act
             by_stage.setdefault(bucket.stage, []).append(index)
     result = [Action.step(ActionKind.GATHER, index) for index, bucket in enumerate(buckets) if bucket.stage is None]
     held: int | None = None  # the stage whose buckets are gathered now
-    for position, action in enumerate(actions):
+    for action in actions:
         if action.kind.is_compute and action.stage != held:
-            result += [Action.step(ActionKind.FREE, index) for index in by_stage.get(held, ())]
+            receives = 0  # the RECV_F of this action: a gather (a collective) goes before them, as a peer may gather first
+            while receives < len(result) and result[len(result) - 1 - receives].kind is ActionKind.RECV_F:
+                receives += 1
+            window = [Action.step(ActionKind.FREE, index) for index in by_stage.get(held, ())]
             held = action.stage
-            result += [Action.step(ActionKind.GATHER, index) for index in by_stage.get(held, ())]
+            window += [Action.step(ActionKind.GATHER, index) for index in by_stage.get(held, ())]
+            result[len(result) - receives:len(result) - receives] = window
         result.append(action)
     return result + [Action.step(ActionKind.FREE, index) for index in by_stage.get(held, ())]
 

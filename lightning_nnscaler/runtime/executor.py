@@ -6,6 +6,7 @@ the materialized program; the generated module does the step itself.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass, replace
@@ -17,6 +18,7 @@ import torch
 from lightning_nnscaler.ir.box import Box, PieceLocation, full_box, region
 from lightning_nnscaler.ir.randomness import RandomStream, set_stream
 from lightning_nnscaler.runtime.comm import AsyncHandle, Communicator
+from lightning_nnscaler.runtime.compiled import CompileOptions, compile_segments, compile_settings
 from lightning_nnscaler.program import ActionKind
 from lightning_nnscaler.runtime.pipeline import PipelineRun, StepHandlers, module_actions
 from lightning_nnscaler.runtime.reducer import GradientReducer
@@ -60,6 +62,8 @@ class RankExecutor:
             ZeRO, whose boxes are freed and rebuilt.
         materialize: The values of a piece whose full tensor in ``state`` lies on the meta device (a module built
             under deferred init, ``lightning_nnscaler.init``): ``materialize(location, meta_tensor)``.
+        compile: Run each segment function under ``torch.compile`` with these options (``runtime.compiled``);
+            None runs the generated code eagerly.
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class RankExecutor:
         input_offsets: dict[str, int] | None = None,
         share_parameters: bool = False,
         materialize: Callable[[PieceLocation, torch.Tensor], torch.Tensor] | None = None,
+        compile: CompileOptions | None = None,
     ) -> None:
         if (module.RANK, module.WORLD_SIZE) != (rank, communicator.world_size):
             raise ValueError(
@@ -87,6 +92,7 @@ class RankExecutor:
         """The last step's ``VALUES`` (graph outputs besides the loss, e.g. logged values), whole, summed over the ranks (float64)."""
         self.executed_actions: list[tuple[str, float, float]] = []
         self.device = torch.device(device)
+        self.compile = compile
         shared: set[int] = set()  # a tied parameter is shared once, its other keys copied (as without sharing)
         share = share_parameters and not getattr(module, "ZERO_STAGE", 0)
         def piece_of(location: PieceLocation, role: str) -> Shard:
@@ -103,7 +109,12 @@ class RankExecutor:
         self._load(module, constants, input_offsets, piece_of)
         by_location = {shard.location: shard.tensor for shard in self.shards.values()}
         replicated = [(by_location[PieceLocation(key, box)], ranks) for key, box, ranks in module.GRADIENT_GROUPS]
-        self.reducer = GradientReducer(replicated, communicator, rank, module.ZERO_STAGE, buckets=[list(bucket) for bucket in module.BUCKETS])
+        self.reducer_buckets = [list(bucket) for bucket in module.BUCKETS]
+        """The buckets the reducer sums (and, under ZeRO-3, gathers): those of the plan this executor was made for."""
+        self.reducer = GradientReducer(
+            replicated, communicator, rank, module.ZERO_STAGE, buckets=[list(bucket) for bucket in module.BUCKETS],
+            reduce_when_accumulated=not getattr(module, "PIPELINED", False),
+        )
 
     def _load(
         self, module: ModuleType, constants: dict[str, torch.Tensor], input_offsets: dict[str, int] | None,
@@ -113,6 +124,8 @@ class RankExecutor:
         self.module = module
         self.actions = module_actions(module)
         module.DEVICE = self.device
+        self.segments = None if self.compile is None else compile_segments(module, self.compile)
+        """The segment functions run (compiled), or None: the module's own ``SEGMENTS``."""
         self.communicator.create_groups(module.GROUPS)
         self.held: dict[str, torch.Tensor] = {}
         self.input_boxes: dict[str, tuple[str, Box]] = {}
@@ -156,6 +169,13 @@ class RankExecutor:
         by_location = {shard.location: shard for shard in self.shards.values()}
         sibling._load(module, constants, input_offsets, lambda location, role: by_location[location])
         return sibling
+
+    @property
+    def gathers_by_program(self) -> bool:
+        """ZeRO-3: this executor's program gathers and frees the reducer's buckets itself (its ``BUCKETS`` are the
+        reducer's, as for a sibling planned with the same per-layer stages), so a forward-only run need not gather
+        every box first."""
+        return self.reducer.zero_stage == 3 and [list(bucket) for bucket in self.module.BUCKETS] == self.reducer_buckets
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """What this rank's optimizer updates: its parameter boxes (owned chunks of them under ZeRO)."""
@@ -237,7 +257,7 @@ class RankExecutor:
         for var, (name, box) in self.input_boxes.items():
             held[var] = inputs[name][region(box)].to(self.device)
         parameters = [shard.tensor for shard in self.shards.values() if isinstance(shard.tensor, torch.nn.Parameter)]
-        run = PipelineRun(self.module, self.rank, self.communicator, held, parameters, self.device, trace=self.trace_actions)
+        run = PipelineRun(self.module, self.rank, self.communicator, held, parameters, self.device, trace=self.trace_actions, segments=self.segments)
         if backward:
             self.reducer.before_backward(False)  # accumulate over the microbatches; sum during the last backward
         loss_sum: list[AsyncHandle] = []
@@ -258,7 +278,8 @@ class RankExecutor:
         )
         self.reducer.on_bucket_started = lambda order: run.record(f"REDUCE b{order}")
         try:
-            run.run(self.actions, backward=backward, loss_scale=loss_scale, handlers=handlers)
+            with contextlib.nullcontext() if self.segments is None else compile_settings(self.module):
+                run.run(self.actions, backward=backward, loss_scale=loss_scale, handlers=handlers)
         finally:
             self.reducer.on_bucket_started = None
         if backward:

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -117,6 +118,8 @@ class PipelineRun:
     executed: list[tuple[str, float, float]] = field(default_factory=list)
     """``(action, start, end)`` of each action run, in order (times in ``time.perf_counter`` seconds when ``trace``, else 0)."""
     trace: bool = False
+    segments: dict[Segment, Callable[..., Any]] | None = None
+    """The segment functions to run (``runtime.compiled``); None: the module's ``SEGMENTS``."""
 
     def record(self, text: str, start: float = 0.0) -> None:
         """Add ``text`` to ``executed`` (the reducer reports the buckets it starts here)."""
@@ -137,7 +140,7 @@ class PipelineRun:
             (key, box, self.shared[var]) for _, var, box, key, segment in getattr(self.module, "BUFFER_PIECES", ()) if tuple(segment) == PROLOGUE
         ]
         if not backward:
-            actions = [action for action in actions if action.kind in (ActionKind.FORWARD, ActionKind.RECV_F, ActionKind.SEND_F, ActionKind.LOSS)]
+            actions = forward_actions(actions)
         step = next((index for index, action in enumerate(actions) if action.kind is ActionKind.STEP), len(actions))
         actions = actions[:step]
         self.with_backward = {(action.stage, action.microbatch) for action in actions if action.kind is ActionKind.BACKWARD}
@@ -192,7 +195,7 @@ class PipelineRun:
         for tag, src, _, _, gradient in self.module.BOUNDARY_IN.get(segment, []):
             tensor = self.local_activations.pop(tag) if src == self.rank else arrived[tag]
             received[tag] = tensor.detach().requires_grad_() if backward and gradient else tensor
-        function = self.module.SEGMENTS.get(segment)
+        function = (self.module.SEGMENTS if self.segments is None else self.segments).get(segment)
         if function is None:
             return  # a segment with no ops on this rank (e.g. a stage whose work its peers do)
         token = torch.zeros((), device=self.device, requires_grad=backward)
@@ -302,3 +305,15 @@ class PipelineRun:
         deferred = self.deferred.pop(segment, None)
         if deferred is not None:
             deferred.accumulate()
+
+
+def forward_actions(actions: Sequence[Action]) -> list[Action]:
+    """What a forward-only run (evaluation) of ``actions`` does: the forwards, their messages and the loss, and ZeRO-3's
+    GATHER / FREE up to the first backward (its forwards' windows; whatever is still gathered then is the caller's
+    to free)."""
+    forward = (ActionKind.FORWARD, ActionKind.RECV_F, ActionKind.SEND_F, ActionKind.LOSS)
+    first_backward = next((index for index, action in enumerate(actions) if action.kind is ActionKind.BACKWARD), len(actions))
+    return [
+        action for index, action in enumerate(actions)
+        if action.kind in forward or (index < first_backward and action.kind in (ActionKind.GATHER, ActionKind.FREE))
+    ]

@@ -129,6 +129,10 @@ class GradientReducer:
         bucket_bytes: The size to cut buckets at when ``buckets`` is not given (None: ``BUCKET_BYTES``).
         buckets: The plan's buckets in the order the step sums them, each as indices into ``replicated``
             (the generated module's ``BUCKETS``); None cuts them here with ``program.buckets.gradient_buckets``.
+        reduce_when_accumulated: ZeRO: reduce-scatter a bucket as soon as each of its boxes has accumulated a
+            gradient (a step with one backward). False waits for the program's ``REDUCE`` (``start_through``): in a
+            program of several backwards a box read by two stages accumulates twice, and its first gradient is
+            not yet its whole one.
 
     Attributes:
         started_buckets: stage 0: ``(ranks, index among the buckets of ranks, during_backward)`` of each bucket
@@ -142,7 +146,7 @@ class GradientReducer:
 
     def __init__(
         self, replicated: list[tuple[torch.nn.Parameter, tuple[int, ...]]], communicator: Communicator, rank: int, zero_stage: int = 0,
-        bucket_bytes: int | None = None, buckets: list[list[int]] | None = None,
+        bucket_bytes: int | None = None, buckets: list[list[int]] | None = None, reduce_when_accumulated: bool = True,
     ) -> None:
         if zero_stage not in (0, 1, 3):
             raise ValueError(f"zero_stage must be 0, 1 or 3, got {zero_stage!r}")
@@ -166,7 +170,7 @@ class GradientReducer:
             self.owned = [owned_of[index] for index in range(len(replicated))]
             self._zero_buckets = [_ZeroBucket(self.owned[bucket[0]].ranks, [owned_of[index] for index in bucket]) for bucket in members]
             for owned in self.owned:
-                if owned.box.requires_grad:
+                if owned.box.requires_grad and reduce_when_accumulated:
                     self._hooks.append(owned.box.register_post_accumulate_grad_hook(self._on_zero_gradient))
             if zero_stage == 3:
                 self.release_boxes()

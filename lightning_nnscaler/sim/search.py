@@ -95,7 +95,7 @@ class BuiltPlan:
 
     def memory_rows(self) -> list[dict[str, int]]:
         """Per rank, ``explain.memory_rows`` (as ``Plan.memory_rows``)."""
-        return memory_rows(self.materialized, self.graph.parameters, self.pipeline, zero_stage=self.zero_stage)
+        return memory_rows(self.materialized, self.graph.parameters, self.pipeline, zero_stage=self.zero_stage, step=self.program)
 
 
 @dataclass

@@ -175,10 +175,11 @@ def release_gradients(executor: RankExecutor, module: torch.nn.Module) -> None:
 def forward_only(executor: RankExecutor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """This rank's part of the plan's forward (no backward, no optimizer); returns the whole first output.
 
-    Under ZeRO-3 the boxes are gathered from their chunks for it and released after, as for a training step.
+    Under ZeRO-3 the boxes are gathered from their chunks for it and released after, as for a training step: stage by
+    stage where the program gathers the reducer's buckets itself (``RankExecutor.gathers_by_program``), else all at once.
     """
     zero3 = executor.reducer.zero_stage == 3
-    if zero3:
+    if zero3 and not executor.gathers_by_program:
         executor.reducer.gather_boxes()
     try:
         return executor.forward_backward(inputs, backward=False)

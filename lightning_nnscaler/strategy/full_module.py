@@ -179,10 +179,8 @@ def restore_pieces(
             shard.tensor.copy_(read.model[shard.location])
         for piece in chunks:
             piece.tensor.copy_(read.model[piece.location])
-    if executor.reducer.owned:
-        executor.reducer.gather_boxes()  # the boxes from the chunks just read
-        if executor.reducer.zero_stage == 3:
-            executor.reducer.release_boxes()
+    if executor.reducer.owned and executor.reducer.zero_stage == 1:
+        executor.reducer.gather_boxes()  # the boxes from the chunks just read (ZeRO-3 gathers them when a step needs them)
     for optimizer, states in zip(optimizers or [], read.optimizers):
         for parameter in (p for group in optimizer.param_groups for p in group["params"]):
             state = states.get(locations[id(parameter)])

@@ -8,6 +8,7 @@ the fit (a rank that cannot allocate fails the run).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 from typing import Any
@@ -34,10 +35,26 @@ def data_segment_bytes() -> int:
     return int(line.split()[1]) * 1024
 
 
+M_MMAP_THRESHOLD = -3
+"""``mallopt``'s parameter number for glibc's mmap threshold."""
+
+
+def fix_mmap_threshold() -> None:
+    """Fix glibc's mmap threshold at its default (128 KiB), as every run here does alike.
+
+    glibc raises the threshold each time a large block is freed, after which tensors come from the heap, which
+    keeps their pages once they are freed: the data segment then grows with every tensor that was ever alive,
+    not with the most alive at once. Fixed, each freed tensor's pages go back, so the cap bounds what a rank
+    holds at once, as a GPU's memory does.
+    """
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+
+
 def capped_worker(rank: int, world_size: int, strategy: str, budget: int | None) -> dict[str, Any]:
     """One capped fit on this rank (``budget`` None: uncapped): its losses, or the error it stopped with."""
     torch.set_num_threads(1)
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    fix_mmap_threshold()
     if budget is not None:
         cap = data_segment_bytes() + budget
         resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))

@@ -267,7 +267,8 @@ def fit(
         The per-batch losses (as Lightning hands them to ``on_train_batch_end``: divided by
         ``accumulate``) and LRs, the per-step gradient norms before clipping (DDP only), the last
         logged train_loss, the validation loss, the final full weights and, under nnscaler, the
-        parameter ``boxes`` this rank holds and the plan's ``reads`` (see `parameter_reads`).
+        parameter ``boxes`` this rank holds and the plan's ``reads`` (see `parameter_reads`), and whether the
+        executor ran compiled segments (``compiled_segments``).
     """
     strategy = make_strategy(strategy)
     build, dataset = MODELS[model]
@@ -300,6 +301,7 @@ def fit(
         "losses": recorder.losses, "learning_rates": recorder.learning_rates, "gradient_norms": recorder.gradient_norms,
         "train_loss": train_loss, "val_loss": val_loss, "state": state, "boxes": boxes, "reads": reads, "on_meta": on_meta,
         "bytes_read": getattr(trainer.strategy, "bytes_read", None),
+        "compiled_segments": getattr(getattr(trainer.strategy, "executor", None), "segments", None) is not None,
     }
 
 

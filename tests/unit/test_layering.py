@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint_hint": {"checkpoint"},
     "logged_values": {"ir", "capture", "plans"},
     "replica_buffers": {"ir", "capture"},
-    "explain": {"ir", "materialize", "plans"},
+    "explain": {"ir", "materialize", "plans", "program"},  # ZeRO-3's gathered windows are the program's GATHER / FREE
     "plan": {
         "ir", "capture", "plans", "schedules", "program", "materialize", "codegen", "runtime", "verify", "draw", "explain", "logged_values",
         "replica_buffers", "sim",

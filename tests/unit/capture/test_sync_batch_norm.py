@@ -75,14 +75,24 @@ def test_captured_sync_batch_norm_equals_batch_norm_over_the_batch() -> None:
 def test_sync_batch_norm_under_dp_exchanges_per_channel_sums_only_and_verifies(recipe: str, world_size: int) -> None:
     plain, synced = _models()
     batch = _batch()
-    plan = lnn.parallelize(synced, batch, recipe, world_size)
+    params = {"stages": 1} if recipe == "zero3" else {}  # one stage: the sums are the step's only messages
+    plan = lnn.parallelize(synced, batch, recipe, world_size, **params)
     exchanged = {line.split("comm.send(token, ")[1].split(",")[0] for source in plan.sources for line in source.splitlines() if "comm.send(" in line}
     assert exchanged == {"batch_norm_sum", "batch_norm_sum_of_squares", "cross_entropy_loss_count"}
     # Against the same model's plain-BatchNorm plan (per-replica statistics, gradients only): each rank sends
     # its two partial sums (C floats each) to the others forward, and their gradients backward.
-    extra = plan.memory_rows()[0]["communication"] - lnn.parallelize(plain, batch, recipe, world_size).memory_rows()[0]["communication"]
+    extra = plan.memory_rows()[0]["communication"] - lnn.parallelize(plain, batch, recipe, world_size, **params).memory_rows()[0]["communication"]
     assert extra == (world_size - 1) * 2 * 2 * CHANNELS * 4, extra
     plan.verify()  # against one device: SyncBatchNorm over the global batch is BatchNorm over it
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sync_batch_norm_under_zero3_one_layer_at_a_time_verifies(world_size: int) -> None:
+    """zero3's stages run one microbatch: each stage's forward sees the replica's whole batch, so the statistics
+    are the global batch's (the sums may cross stages as messages)."""
+    plan = lnn.parallelize(_models()[1], _batch(), "zero3", world_size)
+    assert plan.pipeline is not None  # features.0 and features.1: two layers, two stages
+    plan.verify()
 
 
 def test_tracing_restores_sync_batch_norm_forward() -> None:

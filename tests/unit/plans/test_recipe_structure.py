@@ -69,9 +69,21 @@ def test_dp_splits_the_batch_and_leaves_the_loss_value_partial(gpt) -> None:
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_zero_is_dp_plus_a_sharding_stage(gpt, stage) -> None:
-    plan, context = gpt.plan(f"zero{stage}", 2)
+    plan, context = gpt.plan(f"zero{stage}", 2, **({"stages": 1} if stage == 3 else {}))
     assert context.zero_stage == stage
     assert str(plan) == str(gpt.plan("dp", 2)[0])
+
+
+def test_zero3_by_default_gathers_one_layer_at_a_time(gpt) -> None:
+    plan, context = gpt.plan("zero3", 2)
+    dp, _ = gpt.plan("dp", 2)
+    assert context.zero_stage == 3
+    from lightning_nnscaler.plans.stage_cuts import model_layers
+
+    layers = model_layers(gpt.graph, list(gpt.graph.ops))[1]  # blocks.0, blocks.1
+    assert context.pipeline is not None and len(context.pipeline.schedule.stage_ranks) == layers == 2
+    pieces = lambda graph: sorted((op.source_name, op.device) for op in graph.ops)  # noqa: E731
+    assert pieces(plan) == pieces(dp)  # the same pieces as dp, cut into one stage per layer
 
 
 def test_coshard_puts_shards_per_device_and_recompute_groups() -> None:

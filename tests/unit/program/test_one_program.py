@@ -36,9 +36,19 @@ V_SHAPED = ("zbv", "vhalf", "dualpipev")
 SKIPPED = {"interlaced": "needs a model with a shared large vocabulary (tests/unit/plans/test_interlaced_plan.py covers its program)"}
 
 
+ZERO_CASES = [("hybrid3d zero=3", 4), ("hybrid3d zero=1", 4), ("1f1b zero=3", 4)]
+"""Pipelines with ZeRO over their stages' replicas: gathers before the first forward, one reduce-scatter per bucket."""
+
+
 def cases() -> list[tuple[str, int]]:
     names = [spec.name for spec in list_recipes() if spec.name not in SKIPPED]
-    return list(itertools.product(names, (2, 4)))
+    return list(itertools.product(names, (2, 4))) + ZERO_CASES
+
+
+def case_params(case: str, world_size: int) -> tuple[str, dict]:
+    """The recipe of a case (``"hybrid3d zero=3"``) and its parameters: ``PARAMS``', then the case's own."""
+    recipe, *extra = case.split()
+    return recipe, {**PARAMS[world_size].get(recipe, {}), **{key: int(value) for key, value in (item.split("=") for item in extra)}}
 
 
 def simulated_sequence(tasks: list) -> list[str]:
@@ -68,13 +78,14 @@ def executed_sequences(plan: lnn.Plan) -> list[list[str]]:
 
 @pytest.mark.parametrize(("recipe", "world_size"), cases(), ids=lambda value: str(value))
 def test_the_simulator_runs_the_actions_the_runtime_ran(recipe: str, world_size: int) -> None:
+    recipe, params = case_params(recipe, world_size)
     torch.manual_seed(0)
     if recipe == "3f1b":  # pipelines recycling passes: a model that recycles
         model = Evoformer(dataclasses.replace(EvoformerConfig.small(), recycles=3))
     else:
         model = GPT(dataclasses.replace(GPTConfig.small(), layers=2 * world_size) if recipe in V_SHAPED else GPTConfig.small())
     batch = model.example_batch(8, torch.Generator().manual_seed(0))
-    plan = lnn.parallelize(model, batch, recipe, world_size, step="training_step", bucket_bytes=BUCKET_BYTES, **PARAMS[world_size].get(recipe, {}))
+    plan = lnn.parallelize(model, batch, recipe, world_size, step="training_step", bucket_bytes=BUCKET_BYTES, **params)
     spec = load_spec("cpu")
     simulated = [simulated_sequence(tasks) for tasks in plan_task_lists(plan, DeviceModel(spec, Roofline(spec)).for_ranks(world_size))]
     executed = executed_sequences(plan)

@@ -96,7 +96,10 @@ def test_zero3_cut_into_stages_holds_a_quarter_of_the_model_and_two_stages_at_4_
     assert max(staged_peaks) < 0.75 * max(whole_peaks)
 
 
-def test_zero_over_several_microbatches_is_refused_before_any_code_runs() -> None:
+def test_zero3_over_several_microbatches_of_one_stage_per_rank_verifies() -> None:
+    """Built by hand (``build_plan(zero_stage=3)``) over a 1f1b of 2 microbatches: each rank's stage is gathered for
+    the step and reduce-scattered once after its last backward (tests/unit/program/test_pipeline_zero.py; an
+    interleaved order of several stages per rank stays refused there)."""
     from lightning_nnscaler.capture.trace import trace_step
     from lightning_nnscaler.plan import build_plan
     from lightning_nnscaler.plans.catalog import apply_recipe
@@ -106,6 +109,7 @@ def test_zero_over_several_microbatches_is_refused_before_any_code_runs() -> Non
     batch = model.example_batch(8, torch.Generator().manual_seed(0))
     graph = trace_step(model, batch, 0, step="training_step").graph
     planned = graph.copy()
-    context = apply_recipe(planned, "1f1b", 2, microbatches=2)
-    with pytest.raises(lnn.PlanError, match="ZeRO stage 3 with several microbatches per step"):
-        build_plan(model, batch, "training_step", graph, planned, 2, zero_stage=3, validated=True, layout=context.layout, pipeline=context.pipeline)
+    context = apply_recipe(planned, "1f1b", 4, stages=2, microbatches=2)  # 2 replicas of each stage
+    plan = build_plan(model, batch, "training_step", graph, planned, 4, zero_stage=3, validated=True, layout=context.layout, pipeline=context.pipeline)
+    assert all(plan.program.buckets[rank] for rank in range(4))
+    assert plan.verify().parameters_checked == len(list(model.parameters()))

@@ -26,32 +26,43 @@ HELD = {  # variable: (graph tensor, state_dict key, box, role)
     'p_module_layers_3_bias': ('p_module_layers_3_bias', 'layers.3.bias', ((0, 8),), 'parameter'),
 }
 GRADIENT_GROUPS = [  # (state_dict key, box, ranks whose gradients of that box are summed)
-    ('layers.0.bias', ((0, 8),), (0, 1)),
     ('layers.0.weight', ((0, 8), (0, 8)), (0, 1)),
-    ('layers.1.bias', ((0, 8),), (0, 1)),
+    ('layers.0.bias', ((0, 8),), (0, 1)),
     ('layers.1.weight', ((0, 8), (0, 8)), (0, 1)),
-    ('layers.2.bias', ((0, 8),), (0, 1)),
+    ('layers.1.bias', ((0, 8),), (0, 1)),
     ('layers.2.weight', ((0, 8), (0, 8)), (0, 1)),
-    ('layers.3.bias', ((0, 8),), (0, 1)),
+    ('layers.2.bias', ((0, 8),), (0, 1)),
     ('layers.3.weight', ((0, 8), (0, 8)), (0, 1)),
+    ('layers.3.bias', ((0, 8),), (0, 1)),
 ]
 GROUPS = [(0, 1)]  # every rank creates these, in this order
 ZERO_STAGE = 3  # replicated boxes: 0 all-reduce, 1 sharded optimizer state, 3 sharded at rest
-PIPELINED = False  # segments pass messages to one another (stages, microbatches)
+PIPELINED = True  # segments pass messages to one another (stages, microbatches)
 PROGRAM = [  # this rank's step in order: F forward, B backward, W weight gradients (stage, kind, microbatch), messages, sums
-    'GATHER b0, GATHER b1, GATHER b2, 0F0, LOSS, 0B0, REDUCE b0, REDUCE b1, REDUCE b2, STEP, FREE b0',
-    'FREE b1, FREE b2',
+    'GATHER b3, 0F0, FREE b3, GATHER b2, 1F0, FREE b2, GATHER b1, 2F0, FREE b1, GATHER b0, 3F0, 3B0',
+    'REDUCE b0, FREE b0, GATHER b1, 2B0, REDUCE b1, FREE b1, GATHER b2, 1B0, REDUCE b2, FREE b2',
+    'GATHER b3, 0B0, REDUCE b3, LOSS, FREE b3, STEP',
 ]
 BUCKETS = [  # the gradient buckets REDUCE/GATHER/FREE b<k> name: indices into GRADIENT_GROUPS, back to back
-    [7, 6, 5],
-    [4, 3, 2],
+    [7, 6],
+    [5, 4],
+    [3, 2],
     [1, 0],
 ]
 OUTPUTS = [  # (graph output, variable, starts backward, segment)
-    ('sum_1', 'sum_1', True, (0, 0)),
+    ('sum_1', 'sum_1', True, (3, 0)),
 ]
-BOUNDARY_IN = {}  # segment: messages received before its forward, in order (tag, from rank, shape, dtype, gradient goes back)
-BOUNDARY_OUT = {}  # segment: messages sent after its forward, in order (tag, to rank, gradient comes back)
+BOUNDARY_IN = {  # segment: messages received before its forward, in order (tag, from rank, shape, dtype, gradient goes back)
+    (1, 0): [(2, 0, (2, 8), torch.float32, True)],
+    (2, 0): [(4, 0, (2, 8), torch.float32, True)],
+    (3, 0): [(6, 0, (2, 8), torch.float32, True)],
+}
+BOUNDARY_OUT = {  # segment: messages sent after its forward, in order (tag, to rank, gradient comes back)
+    (0, 0): [(2, 0, True)],
+    (1, 0): [(4, 0, True)],
+    (2, 0): [(6, 0, True)],
+}
+RELEASES = {}  # message received (from rank, tag, is a gradient): the messages sent (to rank, tag, is a gradient) it proves taken
 
 
 def stage0_microbatch0(held, shared, received, communicator, token):
@@ -59,19 +70,37 @@ def stage0_microbatch0(held, shared, received, communicator, token):
     args_0 = held['args_0']  # (2, 8)
     p_module_layers_0_weight = held['p_module_layers_0_weight']  # (8, 8)
     p_module_layers_0_bias = held['p_module_layers_0_bias']  # (8,)
+    linear = aten.linear.default(args_0, p_module_layers_0_weight, p_module_layers_0_bias)  # linear.0: (2, 8)
+    return {2: linear}, {}, token
+
+
+def stage1_microbatch0(held, shared, received, communicator, token):
+    """Stage 1, microbatch 0: returns (sent by tag, outputs by graph name, token)."""
     p_module_layers_1_weight = held['p_module_layers_1_weight']  # (8, 8)
     p_module_layers_1_bias = held['p_module_layers_1_bias']  # (8,)
+    linear_from_0 = received[2]  # from rank 0
+    linear_1 = aten.linear.default(linear_from_0, p_module_layers_1_weight, p_module_layers_1_bias)  # linear_1.0: (2, 8)
+    del linear_from_0
+    return {4: linear_1}, {}, token
+
+
+def stage2_microbatch0(held, shared, received, communicator, token):
+    """Stage 2, microbatch 0: returns (sent by tag, outputs by graph name, token)."""
     p_module_layers_2_weight = held['p_module_layers_2_weight']  # (8, 8)
     p_module_layers_2_bias = held['p_module_layers_2_bias']  # (8,)
+    linear_1_from_0 = received[4]  # from rank 0
+    linear_2 = aten.linear.default(linear_1_from_0, p_module_layers_2_weight, p_module_layers_2_bias)  # linear_2.0: (2, 8)
+    del linear_1_from_0
+    return {6: linear_2}, {}, token
+
+
+def stage3_microbatch0(held, shared, received, communicator, token):
+    """Stage 3, microbatch 0: returns (sent by tag, outputs by graph name, token)."""
     p_module_layers_3_weight = held['p_module_layers_3_weight']  # (8, 8)
     p_module_layers_3_bias = held['p_module_layers_3_bias']  # (8,)
-    linear = aten.linear.default(args_0, p_module_layers_0_weight, p_module_layers_0_bias)  # linear.0: (2, 8)
-    linear_1 = aten.linear.default(linear, p_module_layers_1_weight, p_module_layers_1_bias)  # linear_1.0: (2, 8)
-    del linear
-    linear_2 = aten.linear.default(linear_1, p_module_layers_2_weight, p_module_layers_2_bias)  # linear_2.0: (2, 8)
-    del linear_1
-    linear_3 = aten.linear.default(linear_2, p_module_layers_3_weight, p_module_layers_3_bias)  # linear_3.0: (2, 8)
-    del linear_2
+    linear_2_from_0 = received[6]  # from rank 0
+    linear_3 = aten.linear.default(linear_2_from_0, p_module_layers_3_weight, p_module_layers_3_bias)  # linear_3.0: (2, 8)
+    del linear_2_from_0
     relu = aten.relu.default(linear_3)  # relu.0: (2, 8)
     del linear_3
     sum_1 = aten.sum.default(relu)  # sum_1.0: ()
@@ -79,4 +108,4 @@ def stage0_microbatch0(held, shared, received, communicator, token):
     return {}, {'sum_1': sum_1}, token
 
 
-SEGMENTS = {(0, 0): stage0_microbatch0}
+SEGMENTS = {(0, 0): stage0_microbatch0, (1, 0): stage1_microbatch0, (2, 0): stage2_microbatch0, (3, 0): stage3_microbatch0}
