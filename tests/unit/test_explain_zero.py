@@ -9,103 +9,21 @@ must be the plan's rows.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 import torch
 
 import lightning_nnscaler as lnn
-from lightning_nnscaler.codegen import module_from_source
 from lightning_nnscaler.explain import MEMORY_KEYS
 from lightning_nnscaler.models.gpt import GPT, GPTConfig
-from lightning_nnscaler.runtime.executor import RankExecutor
-from lightning_nnscaler.runtime.memory_comm import InMemoryCommunicator, run_ranks
+from support.held import one_step
 
 WORLD = 4
 
 
-class CountingCommunicator:
-    """An in-memory communicator that adds up the bytes this rank sends, by the ring formulas."""
-
-    def __init__(self, inner: InMemoryCommunicator) -> None:
-        self.inner = inner
-        self.sent = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def _count(self, factor: int, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
-        self.sent += factor * (len(ranks) - 1) * tensor.numel() * tensor.element_size() // len(ranks)
-
-    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        self.sent += tensor.numel() * tensor.element_size()
-        self.inner.send(tensor, dst, tag)
-
-    def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
-        self._count(2, tensor, ranks)
-        return self.inner.all_reduce(tensor, ranks)
-
-    def all_reduce_async(self, tensor: torch.Tensor, ranks: tuple[int, ...], *, in_place: bool = False) -> Any:
-        self._count(2, tensor, ranks)
-        return self.inner.all_reduce_async(tensor, ranks, in_place=in_place)
-
-    def all_gather(self, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
-        self._count(1, tensor.new_empty(tensor.numel() * len(ranks)), ranks)  # n is the gathered output
-        return self.inner.all_gather(tensor, dim, ranks)
-
-    def reduce_scatter(self, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
-        self._count(1, tensor, ranks)
-        return self.inner.reduce_scatter(tensor, dim, ranks)
-
-    def all_to_all(self, tensor: torch.Tensor, split_dim: int, concat_dim: int, ranks: tuple[int, ...]) -> torch.Tensor:
-        self._count(1, tensor, ranks)
-        return self.inner.all_to_all(tensor, split_dim, concat_dim, ranks)
-
-
-def _bytes(tensors: Any) -> int:
-    """Bytes the tensors' storage holds (a ZeRO-3 box freed between steps keeps its shape over an empty storage)."""
-    return sum(min(tensor.numel() * tensor.element_size(), tensor.untyped_storage().nbytes()) for tensor in tensors if tensor is not None)
-
-
 def measure(plan: lnn.Plan) -> list[dict[str, int]]:
     """Per rank, after one training step: the bytes the runtime holds and sent (the keys of explain's rows)."""
-    inputs = plan.inputs()
-    state = {**dict(plan.module.named_parameters(remove_duplicate=False)), **dict(plan.module.named_buffers(remove_duplicate=False))}
-
-    def run_rank(inner: InMemoryCommunicator) -> dict[str, int]:
-        rank, communicator = inner.rank, CountingCommunicator(inner)
-        module = module_from_source(plan.sources[rank], f"explain_rank{rank}")
-        executor = RankExecutor(module, rank, state, plan.graph.constant_values, communicator, input_offsets=plan.input_offsets(rank))
-        reducer = executor.reducer
-        boxes = [shard.tensor for shard in executor.shards.values() if isinstance(shard.tensor, torch.nn.Parameter)]
-        chunks = [owned.chunk for owned in reducer.owned]
-        in_step: dict[str, int] = {}
-        reduce_scatter = reducer._reduce_scatter
-
-        def counted_reduce_scatter(bucket: Any) -> None:  # the full-size tensors ZeRO holds only while the step runs
-            owned = [owned.box for owned in reducer.owned]
-            gathered = _bytes(owned) if reducer.zero_stage == 3 else 0  # zero1 holds its boxes across steps
-            in_step["transient"] = max(in_step.get("transient", 0), gathered + _bytes(box.grad for box in owned))
-            reduce_scatter(bucket)
-
-        reducer._reduce_scatter = counted_reduce_scatter  # type: ignore[method-assign]
-        optimizer = torch.optim.Adam(executor.parameters())
-        executor.forward_backward(plan.replica_inputs(rank, inputs))
-        optimizer.step()
-        executor.after_optimizer_step()
-        buckets = [bucket.buffer for bucket in reducer._buckets]
-        bucketed = {id(parameter) for bucket in reducer._buckets for parameter in bucket.parameters}
-        own_gradients = [box.grad for box in boxes if id(box) not in bucketed]
-        moments = [value for entry in optimizer.state.values() for key, value in entry.items() if key != "step"]
-        return {
-            "parameters": _bytes(boxes) + _bytes(chunks),
-            "gradients": _bytes(buckets) + _bytes(own_gradients) + _bytes(chunk.grad for chunk in chunks),
-            "optimizer": _bytes(moments),
-            "transient": in_step.get("transient", 0),
-            "communication": communicator.sent,
-        }
-
-    return run_ranks(plan.world_size, run_rank, timeout=120.0)
+    return [{key: value for key, value in row.items() if key != "gathered"} for row in one_step(plan)]
 
 
 @pytest.fixture(scope="module")

@@ -11,26 +11,16 @@ import dataclasses
 import pickle
 
 import pytest
-import torch
 
 import lightning_nnscaler as lnn
 from lightning_nnscaler.codegen.sources import RankSources
 from lightning_nnscaler.materialize.dependencies import materialize
 from lightning_nnscaler.materialize.program import Collective, Compute, Recv, Send
 from lightning_nnscaler.materialize.steps import check_message_order, step_program
-from lightning_nnscaler.models.gpt import GPT, GPTConfig
+from support.rank_plans import gpt_plan
 from lightning_nnscaler.program import BUCKET_BYTES
 
 WORLD_SIZE = 8
-
-
-def gpt_plan(recipe: str, world_size: int, rank: int | None = None, **params: int) -> lnn.Plan:
-    """A two-layer GPT's training step planned with ``recipe`` for ``rank`` (None: every rank)."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, seq_len=8, hidden=16, layers=2, heads=2))
-    model.log = lambda *args, **kwargs: None
-    batch = model.example_batch(4, torch.Generator().manual_seed(0))
-    return lnn.parallelize(model, batch, recipe, world_size, step="training_step", rank=rank, **params)
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,8 @@ import pytest
 import torch
 
 import lightning_nnscaler as lnn
-from lightning_nnscaler.codegen import module_from_source
 from lightning_nnscaler.models.gpt import GPT, GPTConfig
-from lightning_nnscaler.runtime.executor import RankExecutor
-from lightning_nnscaler.runtime.memory_comm import run_ranks
+from support.held import one_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,46 +70,10 @@ def test_each_stage_reduce_scatters_once_after_its_last_backward(zero: int) -> N
             assert not frees and len(gathers) == buckets and min(gathers) > step
 
 
-def _bytes(tensors: Any) -> int:
-    """Bytes the tensors' storage holds (a freed ZeRO-3 box keeps its shape over an empty storage)."""
-    return sum(min(tensor.numel() * tensor.element_size(), tensor.untyped_storage().nbytes()) for tensor in tensors if tensor is not None)
-
-
 def held_at_rest(plan: lnn.Plan) -> list[dict[str, int]]:
     """Per rank, after one training step and Adam's step (in-memory ranks): the bytes of its parameters (boxes and
     owned chunks), their gradients, Adam's moments, and the most box bytes gathered while the step ran."""
-    inputs = plan.inputs()
-    state = {**dict(plan.module.named_parameters()), **dict(plan.module.named_buffers())}
-
-    def run_rank(communicator) -> dict[str, int]:
-        rank = communicator.rank
-        executor = RankExecutor(module_from_source(plan.sources[rank], f"pipeline_zero_rank{rank}"), rank, state, plan.graph.constant_values,
-                                communicator, input_offsets=plan.input_offsets(rank))
-        reducer = executor.reducer
-        boxes = [shard.tensor for shard in executor.shards.values() if isinstance(shard.tensor, torch.nn.Parameter)]
-        chunks = [owned.chunk for owned in reducer.owned]
-        in_step = [0]
-        reduce_scatter = reducer._reduce_scatter
-
-        def counted(bucket: Any) -> None:  # the boxes gathered while the stage's gradients are summed
-            in_step[0] = max(in_step[0], _bytes(boxes))
-            reduce_scatter(bucket)
-
-        reducer._reduce_scatter = counted  # type: ignore[method-assign]
-        optimizer = torch.optim.Adam(executor.parameters())
-        executor.forward_backward(plan.replica_inputs(rank, inputs))
-        optimizer.step()
-        executor.after_optimizer_step()
-        buckets = [bucket.buffer for bucket in reducer._buckets]
-        bucketed = {id(parameter) for bucket in reducer._buckets for parameter in bucket.parameters}
-        return {
-            "parameters": _bytes(boxes) + _bytes(chunks),
-            "gradients": _bytes(buckets) + _bytes(box.grad for box in boxes if id(box) not in bucketed) + _bytes(chunk.grad for chunk in chunks),
-            "optimizer": _bytes(value for entry in optimizer.state.values() for key, value in entry.items() if key != "step"),
-            "gathered_in_step": in_step[0],
-        }
-
-    return run_ranks(plan.world_size, run_rank, timeout=120.0)
+    return one_step(plan)
 
 
 def test_hybrid3d_zero_shards_each_stage_over_its_replicas() -> None:
@@ -125,7 +87,7 @@ def test_hybrid3d_zero_shards_each_stage_over_its_replicas() -> None:
         assert stage["parameters"] / 2 <= three["parameters"] <= stage["parameters"] / 2 + slack, (rank, stage, three)
         assert stage["gradients"] / 2 <= three["gradients"] <= stage["gradients"] / 2 + slack, (rank, stage, three)
         assert stage["optimizer"] / 2 <= three["optimizer"] <= stage["optimizer"] / 2 + 2 * slack, (rank, stage, three)
-        assert three["gathered_in_step"] == stage["parameters"]  # the stage's boxes, gathered for its microbatches
+        assert three["gathered"] == stage["parameters"]  # the stage's boxes, gathered for its microbatches
         # zero=1: whole parameters, half the optimizer state
         assert one["parameters"] == stage["parameters"] + three["parameters"]  # the boxes and the owned chunks
         assert stage["optimizer"] / 2 <= one["optimizer"] <= stage["optimizer"] / 2 + 2 * slack, (rank, stage, one)
