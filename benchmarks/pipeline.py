@@ -1,7 +1,8 @@
 """Pipeline schedules on 4 real gloo CPU ranks: step time, measured bubble, activation peaks, and
 torch.distributed.pipelining on the same stages (issue 8's acceptance).
 
-For each schedule (GPipe, 1F1B, interleaved 1F1B with v=2, ZB-H1) and m microbatches of a GPT:
+For each schedule (GPipe, 1F1B, interleaved 1F1B with v=2, ZB-H1, and the V shapes ZB-V, V-Half and DualPipeV,
+whose rank r holds stages r and 2p-1-r) and m microbatches of a GPT:
 
 1. *ours*: the plan from ``lnn.parallelize(..., stages=p, microbatches=m)`` run by ``RankExecutor``
    on spawned processes (torch.distributed over gloo, every wait bounded by a timeout); warm-up
@@ -11,17 +12,22 @@ For each schedule (GPipe, 1F1B, interleaved 1F1B with v=2, ZB-H1) and m microbat
    ``1 - compute / step wall time`` averaged over ranks and steps (everything outside the actions
    counts as idle), and *bubble (schedule)*, ``1 - sum of compute / (ranks × span of the actions)``
    (``schedule_bubble``: the textbook's quantity). They are printed next to the textbook value:
-   (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1), and for ZB-H1 the symbolic execution of our
-   schedule with F = B = W (``schedules.bubble_fraction``; about a third of 1F1B's bubble).
+   (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1), and for ZB-H1, ZB-V, V-Half and DualPipeV the symbolic
+   execution of our schedule with F = B = W (``schedules.bubble_fraction``; ZB-H1 about a third of 1F1B's).
 2. Peak activation bytes per rank: bytes of distinct storages saved for backward
    (``torch.autograd.graph.saved_tensors_hooks``, parameters excluded) alive at once during one
    step, in units of one microbatch's worth of the rank's stage(s) (everything the rank saves in a
-   step / m), with the schedule's expected in-flight count in brackets (1F1B: p-r, GPipe: m).
-3. *torch*: ``torch.distributed.pipelining`` on the same model cut by hand where the plan cut it
-   (read from the parameters each rank holds, at sub-layer granularity)
+   step / m), with the schedule's expected in-flight count in brackets (1F1B: p-r, GPipe: m; with two
+   stages per rank, interleaved and the V shapes, ``peak_in_flight`` / 2: a stage is half a rank's share).
+3. *torch*: ``torch.distributed.pipelining`` on the same model cut by hand where the plan cut it, at
+   sub-layer granularity: each parameter's stage is the one whose segments read it in the planned graph,
+   checked against the rank that holds it (rank r holds stages r, r+p looped, or r and 2p-1-r in a V,
+   where the two stages of rank p-1 are adjacent and holding alone cannot place the cut between them)
    (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B with 2 stages per rank,
-   ScheduleInterleavedZeroBubble with 1 stage per rank for ZB-H1), same microbatches, same ranks,
-   same warm-up and timed steps; ours / torch is the ratio (goal <= 1.0).
+   ScheduleInterleavedZeroBubble with 1 stage per rank for ZB-H1, ScheduleZBVZeroBubble and
+   ScheduleDualPipeV with 2 stages per rank in the V; torch ships no V-Half: n/a), same microbatches,
+   same ranks, same warm-up and timed steps; ours / torch is the ratio (goal <= 1.0). DualPipeV (ours
+   and torch's) needs m >= 2p; torch's runs its overlapped F+B pairs one after the other (no callbacks).
    Known peer limit (torch 2.13, gloo CPU): ScheduleInterleavedZeroBubble's weight backward raises
    "Trying to use a saved tensor that has been detached in-place" when a stage receives two tensors
    (a cut between a layer norm and its attention); the row then reads n/a with torch's error.
@@ -32,9 +38,10 @@ A second table (issue 9's acceptance) pipelines a recycling model, the Evoformer
 pipeline. The baseline is the same planned graph and stage cut with a hand-built schedule
 (``recycling_outside_schedule``): each rank runs every recycling pass's stage as a forward pipeline
 over all microbatches (pass 0, then pass 1), then GPipe on the gradient pass (all F, then all B in
-microbatch order); only the generated SCHEDULE differs. Columns: ms/step, speed-up over the baseline
-(goal >= 1.2), measured bubble, and the symbolic ``bubble_fraction`` of each schedule (F = 1, B = 2,
-a no-grad forward costs as much as a forward).
+microbatch order); only the generated SCHEDULE differs. A third row runs nnScaler's own 3F1B order
+(``schedules.interleaved_recycling``: interleaved 1F1B with the recycling backwards left out) on the same
+stages. Columns: ms/step, speed-up over the baseline (goal >= 1.2), measured bubble, and the symbolic
+``bubble_fraction`` of each schedule (F = 1, B = 2, a no-grad forward costs as much as a forward).
 
 With fewer cores than ranks (the default machine: 4 ranks on 2 cores) ranks slow each other down
 while they compute at once, which makes measured bubbles smaller than on dedicated cores.
@@ -44,13 +51,17 @@ with a 32000-token vocabulary: the interlaced pipeline (``"interlaced"``: the em
 the output projection split by vocabulary over all 4 ranks, run by every rank between its 1F1B
 actions) against 1F1B, whose stage cut puts the whole projection and loss on the last rank.
 
-Run: python benchmarks/pipeline.py                    (all three tables; about 8 minutes on 2 cores)
-     python benchmarks/pipeline.py --only gpt         (the GPT table alone)
+Run: python benchmarks/pipeline.py                    (all three tables; about 10 minutes on 2 cores)
+     python benchmarks/pipeline.py --only gpt         (the GPT table alone: about 5 minutes on 2 cores, 3 on 4 free ones)
      python benchmarks/pipeline.py --only recycling   (the 3F1B table alone)
      python benchmarks/pipeline.py --only vocabulary  (the interlaced table alone)
      python benchmarks/pipeline.py --quick            (smaller models and fewer steps)
      python benchmarks/pipeline.py --only gpt --schedules 1f1b,zb1 [--ranks 2]
                                                       (some schedules of the GPT table; p ranks)
+     python benchmarks/pipeline.py --only gpt --schedules 1f1b,zbv,vhalf,dualpipev
+                                                      (issue 38's rows and comparisons)
+     python benchmarks/pipeline.py --only gpt --rounds 2  (fewer rounds of the GPT table: each ~1/3 of its time)
+     benchmarks/lent_machine.sh [CORES] [ROUNDS]      (GPT and 3F1B tables pinned to CORES, default 0-3)
      python benchmarks/pipeline.py --only split       (one rank: F+B against F+I+W, ours, torch's, the old re-walk)
 
 The GPT table's "compute ms/step by rank" is each rank's time inside its actions less its waits; with
@@ -58,6 +69,14 @@ both 1f1b and zb1 run, a line compares them (F+I+W against F+B per rank, and the
 ranks than cores the ranks' compute slows whenever more of them run at once, which a smaller bubble
 causes: zb1's rank 0 runs exactly 1F1B's work (it has no I) and still reads slower there. ``--only
 split`` measures the split's own cost without peers or contention.
+
+With 1f1b run, lines below the table give issue 38's comparisons, from the table's own numbers: ZB-V's
+throughput / 1F1B's (1f1b ms / zbv ms, goal >= 1.15) and ZB-V's activation peak / 1F1B's (goal <= 1.0),
+V-Half's activation peak / 1F1B's (goal <= 0.6), peaks in bytes (the max over ranks of the metered
+step's peak), and 1F1B's measured bubble (schedule) less the textbook's, in points (goal <= 5).
+
+Each rank runs with ``torch.set_num_threads(1)``, so p ranks use p cores: on a larger machine the run
+can share it with another job pinned elsewhere (``taskset -c 0-3 python benchmarks/pipeline.py ...``).
 """
 
 from __future__ import annotations
@@ -65,6 +84,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -86,12 +106,21 @@ from lightning_nnscaler.plans.context import PipelinePlan
 from lightning_nnscaler.runtime import TorchDistributedCommunicator
 from lightning_nnscaler.runtime.executor import RankExecutor
 from lightning_nnscaler.schedules import (
-    Action, Kind, Schedule, bubble_fraction, execute, gpipe, interleaved, lower, one_f_one_b, peak_in_flight,
-    theoretical_bubble_fraction, validate, zb1,
+    Action, Kind, Schedule, bubble_fraction, dual_pipe_v, execute, gpipe, interleaved, interleaved_recycling, lower, one_f_one_b,
+    peak_in_flight, theoretical_bubble_fraction, v_half, validate, zb1, zbv,
 )
 
-SCHEDULES: dict[str, dict[str, int]] = {"gpipe": {}, "1f1b": {}, "interleaved": {"virtual_stages": 2}, "zb1": {}}
+SCHEDULES: dict[str, dict[str, int]] = {
+    "gpipe": {}, "1f1b": {}, "interleaved": {"virtual_stages": 2}, "zb1": {}, "zbv": {}, "vhalf": {}, "dualpipev": {},
+}
 """Our recipe names and their extra parameters."""
+V_SHAPES = ("zbv", "vhalf", "dualpipev")
+"""The schedules with two stages per rank in a V: rank r holds stages r and 2p-1-r."""
+TORCH_SCHEDULES = {
+    "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B", "zb1": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV",
+}
+"""torch.distributed.pipelining's schedule for each of ours (V-Half has none)."""
 SUBLAYERS = ("ln_1", "attn", "ln_2", "mlp")
 """A GPT block's parameterized sub-layers in order: the units a pipeline stage cut may fall between."""
 
@@ -122,6 +151,9 @@ class Settings(Measurement):
     rounds: int = 3
     schedules: tuple[str, ...] = tuple(SCHEDULES)
     """The schedules of ``SCHEDULES`` to run (``--schedules``)."""
+    torch_peers: bool = True
+    """Whether torch's schedule runs after each of ours (``--without-torch``: ours alone, where a peer's failure on some
+    ranks would break the process group for the rows after it)."""
 
     def gpt_config(self) -> GPTConfig:
         """The GPT's shape."""
@@ -206,7 +238,9 @@ class PlanPayload:
     input_names: list[str]
     offsets: list[dict[str, int]]
     chunk_blocks: list[list[int]] = field(default_factory=list)
-    """Half-blocks of each pipeline stage (chunk), read from the plan's held parameters (``chunk_blocks``)."""
+    """Sub-layers of each pipeline stage (chunk), read from the stages the plan reads each parameter in (``chunk_blocks``)."""
+    stage_ranks: tuple[int, ...] = ()
+    """Each pipeline stage's rank (the plan's ``schedule.stage_ranks``: r, r+p, … looped; r and 2p-1-r in a V)."""
 
 
 # --- model and plans (parent) -----------------------------------------------------------------------
@@ -236,10 +270,17 @@ def make_plans(settings: Settings) -> list[PlanPayload]:
             model, batch, name, settings.stages, step="training_step", stages=settings.stages,
             microbatches=settings.microbatches, **extra,
         )
-        payload = payload_of(name, extra.get("virtual_stages", 1), plan, settings.stages)
-        payload.chunk_blocks = chunk_blocks(payload, settings)
+        assert plan.pipeline is not None, f"{name} plans carry a pipeline schedule"
+        payload = payload_of(name, stages_per_rank(name), plan, settings.stages)
+        payload.stage_ranks = tuple(plan.pipeline.schedule.stage_ranks)
+        payload.chunk_blocks = chunk_blocks(plan, payload, settings)
         payloads.append(payload)
     return payloads
+
+
+def stages_per_rank(name: str) -> int:
+    """Model stages each rank holds under our schedule ``name`` (2 for interleaved with v=2 and the V shapes)."""
+    return 2 if name in V_SHAPES else SCHEDULES[name].get("virtual_stages", 1)
 
 
 def payload_of(name: str, virtual_stages: int, plan: lnn.Plan, ranks: int) -> PlanPayload:
@@ -250,40 +291,57 @@ def payload_of(name: str, virtual_stages: int, plan: lnn.Plan, ranks: int) -> Pl
     )
 
 
-def chunk_blocks(payload: PlanPayload, settings: Settings) -> list[list[int]]:
-    """The sub-layers (unit ``4·block + k``, k: ln_1, attn, ln_2, mlp) of each of the ``p·v``
-    pipeline stages, read from the parameters each rank holds (rank r holds stages r, r+p, …), so
-    that the torch stages are cut where the plan cut.
+def parameter_stages(plan: lnn.Plan) -> dict[str, set[int]]:
+    """Per parameterized unit (``blocks.3.attn``, ``lm_head``, …), the pipeline stages whose segments read its
+    parameters in the planned graph (the prologue's segment, stage -1, included)."""
+    stages: dict[str, set[int]] = {}
+    for op in plan.planned.ops:
+        for piece in op.tensor_inputs:
+            key = piece.tensor.state_key
+            if key and op.segment is not None:
+                unit = ".".join(key.split(".")[: 3 if key.startswith("blocks.") else 1])
+                stages.setdefault(unit, set()).add(op.segment[0])
+    return stages
+
+
+def chunk_blocks(plan: lnn.Plan, payload: PlanPayload, settings: Settings) -> list[list[int]]:
+    """The sub-layers (unit ``4·block + k``, k: ln_1, attn, ln_2, mlp) of each of the ``p·v`` pipeline
+    stages, read from the stage whose segments read each parameter, checked against the rank that holds
+    it (``HELD``), so that the torch stages are cut where the plan cut: rank r holds stages r, r+p, …
+    (looped) or r and 2p-1-r (V), which alone cannot tell a V's two adjacent stages on rank p-1 apart.
 
     Raises:
-        ValueError: the plan cut inside a sub-layer, or put the embeddings or the head elsewhere.
+        ValueError: the plan cut inside a sub-layer, put the embeddings or the head elsewhere than the
+            first and last stage, or the stages do not run through the model in order.
     """
-    chunks, ranks = settings.stages * payload.virtual_stages, settings.stages
-    owners: dict[int, set[int]] = {}
+    chunks = settings.stages * payload.virtual_stages
+    found, holders = parameter_stages(plan), held_units(payload)
+    ends = {"token_embedding": 0, "position_embedding": 0, "ln_f": chunks - 1, "lm_head": chunks - 1}
+    for unit, stage in ends.items():
+        if found.get(unit) != {stage}:
+            raise ValueError(f"{payload.name}: {unit} is read in stages {sorted(found.get(unit, ()))}, not in stage {stage}")
+    stages: list[list[int]] = [[] for _ in range(chunks)]
+    for unit in range(4 * settings.layers):
+        key = f"blocks.{unit // 4}.{SUBLAYERS[unit % 4]}"
+        if len(found.get(key, ())) != 1 or holders.get(key) != {payload.stage_ranks[min(found[key])]}:
+            raise ValueError(
+                f"{payload.name}: {key} is read in stages {sorted(found.get(key, ()))}, held on ranks {sorted(holders.get(key, ()))}"
+            )
+        stages[next(iter(found[key]))].append(unit)
+    if [unit for units in stages for unit in units] != list(range(4 * settings.layers)):
+        raise ValueError(f"{payload.name}: the plan's stages do not run through the model's layers in order: {stages}")
+    return stages
+
+
+def held_units(payload: PlanPayload) -> dict[str, set[int]]:
+    """Per GPT block sub-layer (``blocks.3.attn``), the ranks whose generated module holds its parameters."""
+    holders: dict[str, set[int]] = {}
     for rank, source in enumerate(payload.sources):
         module = module_from_source(source, f"bench_{payload.name}_check{rank}")
         for _, key, _, role in module.HELD.values():
-            if role in ("input", "constant"):
-                continue
-            if key.startswith("blocks."):
-                _, block, part = key.split(".")[:3]
-                owners.setdefault(4 * int(block) + SUBLAYERS.index(part), set()).add(rank)
-            elif key.split(".")[0] in ("token_embedding", "position_embedding") and rank != 0:
-                raise ValueError(f"{payload.name}: {key} is on rank {rank}, not on the first stage's rank 0")
-            elif key.split(".")[0] in ("ln_f", "lm_head") and rank != (chunks - 1) % ranks:
-                raise ValueError(f"{payload.name}: {key} is on rank {rank}, not on the last stage's rank {(chunks - 1) % ranks}")
-    stages: list[list[int]] = [[] for _ in range(chunks)]
-    chunk = 0
-    for unit in range(4 * settings.layers):
-        if len(owners.get(unit, ())) != 1:
-            raise ValueError(f"{payload.name}: blocks.{unit // 4}.{SUBLAYERS[unit % 4]} lies on ranks {sorted(owners.get(unit, ()))}")
-        owner = next(iter(owners[unit]))
-        while chunk % ranks != owner:
-            chunk += 1
-        if chunk >= chunks:
-            raise ValueError(f"{payload.name}: the plan's stages do not run through the ranks in order (blocks.{unit // 4})")
-        stages[chunk].append(unit)
-    return stages
+            if role not in ("input", "constant") and key.startswith("blocks."):
+                holders.setdefault(".".join(key.split(".")[:3]), set()).add(rank)
+    return holders
 
 
 # --- measurement helpers (ranks) --------------------------------------------------------------------
@@ -332,7 +390,9 @@ class _Saved:
     __slots__ = ("tensor", "meter", "key")
 
     def __init__(self, tensor: torch.Tensor, meter: ActivationMeter, key: int | None) -> None:
-        self.tensor, self.meter, self.key = tensor, meter, key
+        # Detached: a saved output kept with its grad_fn would make a reference cycle (node -> saved tensor -> node)
+        # that outlives the graph wherever backward retains it (zero-bubble's I and W), so its bytes never left the meter.
+        self.tensor, self.meter, self.key = tensor.detach(), meter, key
 
     def __del__(self) -> None:
         if self.key is not None:
@@ -373,6 +433,15 @@ class ActivationMeter:
         if entry[0] == 0:
             self.current -= entry[1]
             del self.live[key]
+
+
+COMPUTE_ACTION = re.compile(r"\d+[FBW]\d+")
+"""An F, B or W action's text (``3B5``), as the executor records it beside SEND/RECV/REDUCE ones."""
+
+
+def compute_actions(executed: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
+    """The F/B/W actions of an executor's ``executed_actions`` (it records its messages and sums too)."""
+    return [entry for entry in executed if COMPUTE_ACTION.fullmatch(entry[0])]
 
 
 def compute_seconds(actions: list[tuple[str, float, float]], waits: list[tuple[float, float]]) -> float:
@@ -416,7 +485,7 @@ def run_ours(rank: int, settings: AnySettings, payload: PlanPayload) -> dict[str
     for _ in range(settings.steps):
         communicator.waits.clear()
         wall = synced_step(step)
-        trace, waits = list(executor.executed_actions), list(communicator.waits)
+        trace, waits = compute_actions(executor.executed_actions), list(communicator.waits)
         times.append(wall)
         computes.append(compute_seconds(trace, waits))
         bubbles.append(1.0 - computes[-1] / wall)
@@ -463,7 +532,9 @@ class StageModule(nn.Module):
         self.token_embedding = model.token_embedding if first else None
         self.position_embedding = model.position_embedding if first else None
         self.units = units
-        self.blocks = nn.ModuleDict({str(block): model.blocks[block] for block in sorted({unit // 4 for unit in units})})
+        # only the stage's own sub-layers: a V's two stages on one rank may split a block between them
+        self.parts = nn.ModuleDict({str(unit): getattr(model.blocks[unit // 4], SUBLAYERS[unit % 4]) for unit in units})
+        self.dropouts = nn.ModuleDict({str(unit): model.blocks[unit // 4].attn_dropout for unit in units if unit % 4 == 1})
         self.ln_f = model.ln_f if last else None
         self.lm_head = model.lm_head if last else None
 
@@ -473,13 +544,13 @@ class StageModule(nn.Module):
             positions = torch.arange(x.shape[1], device=x.device)
             x = self.token_embedding(x) + self.position_embedding(positions)
         for unit in self.units:
-            block, part = self.blocks[str(unit // 4)], SUBLAYERS[unit % 4]
+            layer, part = self.parts[str(unit)], SUBLAYERS[unit % 4]
             if part in ("ln_1", "ln_2"):
-                h = getattr(block, part)(x)
+                h = layer(x)
             elif part == "attn":
-                x, h = x + block.attn_dropout(block.attn(h, is_causal=True)), None
+                x, h = x + self.dropouts[str(unit)](layer(h, is_causal=True)), None
             else:
-                x, h = x + block.mlp(h), None
+                x, h = x + layer(h), None
         if self.ln_f is not None and self.lm_head is not None:
             return self.lm_head(self.ln_f(x))
         return x if h is None else (x, h)
@@ -491,27 +562,22 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def torch_schedule(rank: int, settings: Settings, payload: PlanPayload) -> tuple[Any, bool, bool]:
-    """torch's schedule for ``payload.name`` over hand-built stages: (schedule, holds first, holds last)."""
+    """torch's schedule for ``payload.name`` over hand-built stages on the plan's ranks (looped or V):
+    (schedule, holds first, holds last)."""
     from torch.distributed import pipelining
 
     model = build_model(settings)
     chunks = len(payload.chunk_blocks)
-    stage_indices = list(range(rank, chunks, settings.stages))
+    stage_indices = [index for index, owner in enumerate(payload.stage_ranks) if owner == rank]
     stages = [
         pipelining.PipelineStage(
             StageModule(model, payload.chunk_blocks[index], index == 0, index == chunks - 1), index, chunks, torch.device("cpu")
         )
         for index in stage_indices
     ]
-    m = settings.microbatches
-    if payload.name == "gpipe":
-        schedule = pipelining.ScheduleGPipe(stages[0], m, loss_fn=cross_entropy)
-    elif payload.name == "1f1b":
-        schedule = pipelining.Schedule1F1B(stages[0], m, loss_fn=cross_entropy)
-    elif payload.name == "interleaved":
-        schedule = pipelining.ScheduleInterleaved1F1B(stages, m, loss_fn=cross_entropy)
-    else:
-        schedule = pipelining.ScheduleInterleavedZeroBubble(stages, m, loss_fn=cross_entropy)
+    kind = getattr(pipelining.schedules, TORCH_SCHEDULES[payload.name])
+    single = issubclass(kind, pipelining.schedules.PipelineScheduleSingle)
+    schedule = kind(stages[0] if single else stages, settings.microbatches, loss_fn=cross_entropy)
     return schedule, 0 in stage_indices, chunks - 1 in stage_indices
 
 
@@ -535,6 +601,10 @@ def run_torch(rank: int, settings: Settings, payload: PlanPayload) -> dict[str, 
 def run_peer(rank: int, settings: Settings, payload: PlanPayload, broken: list[str]) -> dict[str, Any]:
     """``run_torch``, or ``{"error": why}``; a peer failure that leaves the process group unusable is
     recorded in ``broken`` and skips the peers after it."""
+    if payload.name not in TORCH_SCHEDULES:
+        return {"error": "torch ships none"}
+    if not settings.torch_peers:
+        return {"error": "not run (--without-torch)"}
     if broken:
         return {"error": f"not run: the process group broke during {broken[0]}"}
     try:
@@ -564,24 +634,24 @@ def rank_main(rank: int, world_size: int, settings: Settings, payloads: list[Pla
 
 
 def theory_bubble(name: str, settings: Settings) -> float:
-    """Textbook bubble: (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1); ZB-H1 simulated with F = B = W."""
+    """Textbook bubble: (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1); the zero-bubble and V schedules
+    (ZB-H1, ZB-V, V-Half, DualPipeV) simulated with F = B = W (``bubble_fraction``)."""
     p, m = settings.stages, settings.microbatches
-    if name == "zb1":
-        return bubble_fraction(zb1(p, m))
+    if name in ("zb1", *V_SHAPES):
+        return bubble_fraction(compute_schedule(name, settings))
     return theoretical_bubble_fraction(p, m, SCHEDULES[name].get("virtual_stages", 1))
 
 
 def compute_schedule(name: str, settings: Settings) -> Schedule:
     """The compute-only schedule the plan ``name`` runs (``SCHEDULE`` of each rank's module)."""
     p, m = settings.stages, settings.microbatches
-    generators = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb1": zb1}
+    generators = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb1": zb1, "zbv": zbv, "vhalf": v_half, "dualpipev": dual_pipe_v}
     return interleaved(p, SCHEDULES[name]["virtual_stages"], m) if name == "interleaved" else generators[name](p, m)
 
 
 def expected_in_flight(name: str, settings: Settings) -> list[float]:
-    """Per rank, the schedule's peak stashed microbatches in stage units (interleaved chunks count 1/v)."""
-    virtual = SCHEDULES[name].get("virtual_stages", 1)
-    return [count / virtual for count in peak_in_flight(compute_schedule(name, settings))]
+    """Per rank, the schedule's peak stashed microbatches in units of a rank's whole share (a stage of 2 per rank counts 1/2)."""
+    return [count / stages_per_rank(name) for count in peak_in_flight(compute_schedule(name, settings))]
 
 
 def replayed_bubble(ours: list[dict[str, Any]], schedule: Schedule) -> float:
@@ -719,6 +789,10 @@ def recycling_outside_schedule(schedule: Schedule) -> Schedule:
     return baseline
 
 
+PAPER_ORDER = "3f1b, the paper's interleaved order"
+"""A third row: nnScaler's 3F1B order (``schedules.interleaved_recycling``), on the same stages."""
+
+
 def make_recycling_plans(settings: RecyclingSettings) -> tuple[list[PlanPayload], dict[str, Schedule]]:
     """Plan 3F1B once, and the baseline from the same planned graph and stage cut with its hand-built
     schedule (only the generated SCHEDULE differs): payloads, and the schedules by row name."""
@@ -731,8 +805,15 @@ def make_recycling_plans(settings: RecyclingSettings) -> tuple[list[PlanPayload]
         model, batch, "training_step", plan.graph, plan.planned, settings.stages, recipe="gpipe-recycling-outside",
         pipeline=PipelinePlan(baseline, plan.pipeline.column_of_rank), layout=plan.layout,
     )
-    payloads = [payload_of(name, settings.recycles, planned, settings.stages) for name, planned in ((RECYCLING_BASELINE, baseline_plan), ("3f1b", plan))]
-    return payloads, {RECYCLING_BASELINE: baseline, "3f1b": plan.pipeline.schedule}
+    schedule = plan.pipeline.schedule
+    paper = interleaved_recycling(schedule.world_size, schedule.microbatches, schedule.stages // schedule.world_size)
+    paper_plan = build_plan(
+        model, batch, "training_step", plan.graph, plan.planned, settings.stages, recipe="3f1b-interleaved",
+        pipeline=PipelinePlan(paper, plan.pipeline.column_of_rank), layout=plan.layout,
+    )
+    rows = ((RECYCLING_BASELINE, baseline_plan), ("3f1b", plan), (PAPER_ORDER, paper_plan))
+    payloads = [payload_of(name, settings.recycles, planned, settings.stages) for name, planned in rows]
+    return payloads, {RECYCLING_BASELINE: baseline, "3f1b": schedule, PAPER_ORDER: paper}
 
 
 def recycling_rank_main(rank: int, world_size: int, settings: RecyclingSettings, payloads: list[PlanPayload]) -> dict[str, Any]:
@@ -830,12 +911,57 @@ def zb1_against_1f1b(per_rank: list[dict[str, Any]], settings: Settings) -> str:
     return f"zb1 / 1f1b, same run: compute per rank (F+I+W / F+B) {ratios}; ms/step {zb1_step:.1f} / {base_step:.1f} = {zb1_step / base_step:.3f}"
 
 
-def run_split(quick: bool) -> None:
+def rounds_of(per_rank: list[dict[str, Any]], settings: Settings, name: str) -> list[list[dict[str, Any]]]:
+    """Our results of ``name``: per round, per rank (``run_ours``'s result)."""
+    return [[results[name]["ours"][index] for results in per_rank] for index in range(settings.rounds)]
+
+
+def step_and_peak(per_rank: list[dict[str, Any]], settings: Settings, name: str) -> tuple[float, int]:
+    """``name``'s ms/step as the table gives it (median over rounds) and its activation peak in bytes (max over ranks)."""
+    ours_rounds = rounds_of(per_rank, settings, name)
+    milliseconds = statistics.median(step_ms([result["times"] for result in ours]) for ours in ours_rounds)
+    return milliseconds, max(result["peak"] for result in ours_rounds[-1])
+
+
+def issue_goals(per_rank: list[dict[str, Any]], settings: Settings) -> list[str]:
+    """Issue 38's comparisons against 1F1B in the same run: ZB-V's throughput and activation peak, V-Half's
+    activation peak (bytes, max over ranks), and 1F1B's measured bubble less the textbook's, in points."""
+    if "1f1b" not in settings.schedules:
+        return []
+    base_ms, base_peak = step_and_peak(per_rank, settings, "1f1b")
+
+    def verdict(value: float, goal: float, at_least: bool) -> str:
+        met = value >= goal if at_least else value <= goal
+        return f"{value:.3f} (goal {'>=' if at_least else '<='} {goal:g}: {'met' if met else 'missed'})"
+
+    lines = []
+    if "zbv" in settings.schedules:
+        ms, peak = step_and_peak(per_rank, settings, "zbv")
+        lines.append(f"zbv / 1f1b: throughput (1f1b ms / zbv ms) {verdict(base_ms / ms, 1.15, True)}; "
+                     f"activation peak {verdict(peak / base_peak, 1.0, False)} [{peak / 2**20:.2f} / {base_peak / 2**20:.2f} MiB]")
+    if "vhalf" in settings.schedules:
+        _, peak = step_and_peak(per_rank, settings, "vhalf")
+        lines.append(
+            f"vhalf / 1f1b: activation peak {verdict(peak / base_peak, 0.6, False)} [{peak / 2**20:.2f} / {base_peak / 2**20:.2f} MiB]"
+        )
+    ours_rounds, theory = rounds_of(per_rank, settings, "1f1b"), theory_bubble("1f1b", settings)
+    measured = mean([schedule_bubble(ours) for ours in ours_rounds])
+    step = mean([value for ours in ours_rounds for result in ours for value in result["bubbles"]])
+    lines.append(f"1f1b bubble (schedule) - theory: {100 * (measured - theory):+.1f} points ({measured:.3f} - {theory:.3f}; goal <= 5: "
+                 f"{'met' if 100 * (measured - theory) <= 5 else 'missed'}); bubble (step) - theory: {100 * (step - theory):+.1f} points")
+    return lines
+
+
+def run_split(quick: bool, compile: bool = False) -> None:
     """One rank, no peers: a middle stage's m microbatches as 1F1B runs them (F, B each) and as ZB-H1
     does (F, I each, every W trailing its I by ``delay`` microbatches: rank r of ZB-H1 delays by r,
     the rest at the end), with W as ``runtime.split_backward`` runs it, as torch.distributed.pipelining
     splits it (``stage_backward_input`` / ``stage_backward_weight``), and as it ran before issue 38
-    (the root differentiated again with ``inputs=`` the parameters). Median of the rounds, in ms."""
+    (the root differentiated again with ``inputs=`` the parameters). Median of the rounds, in ms.
+
+    With ``compile``, the stage runs under ``torch.compile`` (inductor): F+B with its backward whole, and F+I+W with
+    its backward split into compiled halves (``runtime.compiled_split``) against the whole compiled backward run in
+    both I and W (as before the split)."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     from lightning_nnscaler.runtime.split_backward import input_gradients
@@ -861,11 +987,11 @@ def run_split(quick: bool) -> None:
         torch.autograd.grad(root, [leaf], retain_graph=True)
         return lambda: root.backward(inputs=parameters)
 
-    def run(split: Any, delay: int) -> None:
+    def run(split: Any, delay: int, model: Any = stage) -> None:
         deferred = []
         for tensor in inputs:
             leaf = tensor.clone().requires_grad_()
-            output = stage(leaf)
+            output = model(leaf)
             if split is None:
                 (output * output_gradient).sum().backward()
                 continue
@@ -880,18 +1006,43 @@ def run_split(quick: bool) -> None:
     for delay in delays:
         variants |= {f"F+I+W ours, W delay {delay}": (ours, delay), f"F+I+W torch, W delay {delay}": (torch_split, delay)}
     variants["F+I+W re-walk (before), delay 0"] = (rewalk, 0)
+    if compile:
+        variants = compiled_split_variants(stage, ours, delays)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(settings.rounds + 1):  # the first round warms up
-        for name, (split, delay) in variants.items():
+        for name, (split, delay, *model) in variants.items():
             stage.zero_grad(set_to_none=True)
             start = time.perf_counter()
-            run(split, delay)
+            run(split, delay, *model)
             times[name].append(time.perf_counter() - start)
     base = statistics.median(times["F+B (1f1b)"][1:])
-    print(f"one rank, {len(stage)} GPT blocks (hidden {settings.hidden}, seq {settings.seq_len}), {settings.microbatches} microbatches "
+    print(f"{'compiled (inductor), ' if compile else ''}one rank, {len(stage)} GPT blocks (hidden {settings.hidden}, seq {settings.seq_len}), {settings.microbatches} microbatches "
           f"of {rows} rows, 1 thread, median of {settings.rounds} rounds:")
     for name, values in times.items():
-        print(f"  {name:34s} {1e3 * statistics.median(values[1:]):7.1f} ms  ({statistics.median(values[1:]) / base:.3f} x F+B)")
+        print(f"  {name:42s} {1e3 * statistics.median(values[1:]):7.1f} ms  ({statistics.median(values[1:]) / base:.3f} x F+B)")
+
+
+def compiled_split_variants(stage: nn.Module, ours: Any, delays: list[int]) -> dict[str, tuple[Any, int, Any]]:
+    """``run_split``'s variants under ``torch.compile`` (inductor): F+B, and F+I+W with the split compiled backward and
+    with the whole one (each graph's backward run in I and again in W)."""
+    import torch._functorch.config
+
+    from lightning_nnscaler.runtime.compiled_split import SplitBackend
+
+    torch._functorch.config.donated_buffer = False  # I retains the graph (as runtime.compiled sets for W modules)
+
+    def whole_stage(x: torch.Tensor) -> torch.Tensor:  # two functions: Dynamo keeps one compiled frame per code object
+        return stage(x)
+
+    def split_stage(x: torch.Tensor) -> torch.Tensor:
+        return stage(x)
+
+    whole, split = torch.compile(whole_stage), torch.compile(split_stage, backend=SplitBackend("inductor"))
+    variants: dict[str, tuple[Any, int, Any]] = {"F+B (1f1b)": (None, 0, whole)}
+    for delay in delays:
+        variants[f"F+I+W split compiled, W delay {delay}"] = (ours, delay, split)
+        variants[f"F+I+W whole compiled (before), delay {delay}"] = (ours, delay, whole)
+    return variants
 
 
 def main() -> None:
@@ -901,27 +1052,34 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per schedule")
     parser.add_argument("--only", choices=("gpt", "recycling", "vocabulary", "split"), default=None, help="run one table (default: all three)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="GPT table: comma-separated schedules (default: all)")
+    parser.add_argument("--compile", action="store_true", help="split table: the stage under torch.compile (inductor)")
     parser.add_argument("--ranks", type=int, default=None, help="GPT table: pipeline ranks p (default 4; 2 gives each rank a core of 2)")
+    parser.add_argument("--rounds", type=int, default=None, help="GPT table: rounds of every schedule, ours then torch's (default 3; --quick 1)")
+    parser.add_argument("--without-torch", action="store_true", help="GPT table: our schedules only")
     arguments = parser.parse_args()
     if arguments.only == "split":
-        run_split(arguments.quick)
+        run_split(arguments.quick, arguments.compile)
     if arguments.only in (None, "gpt"):
-        run_gpt(arguments.quick, arguments.steps, tuple(arguments.schedules.split(",")), arguments.ranks)
+        run_gpt(arguments.quick, arguments.steps, tuple(arguments.schedules.split(",")), arguments.ranks, arguments.rounds,
+                torch_peers=not arguments.without_torch)
     if arguments.only in (None, "recycling"):
         run_recycling(arguments.quick, arguments.steps)
     if arguments.only in (None, "vocabulary"):
         run_vocabulary(arguments.quick, arguments.steps)
 
 
-def run_gpt(quick: bool, steps: int | None, schedules: tuple[str, ...] = tuple(SCHEDULES), ranks: int | None = None) -> None:
-    """Plan, run the schedules on 4 gloo ranks, print the table and the 1F1B timelines."""
+def run_gpt(quick: bool, steps: int | None, schedules: tuple[str, ...] = tuple(SCHEDULES), ranks: int | None = None,
+            rounds: int | None = None, *, torch_peers: bool = True) -> None:
+    """Plan, run the schedules on 4 gloo ranks, print the table, issue 38's comparisons and the 1F1B timeline."""
     unknown = set(schedules) - set(SCHEDULES)
     if unknown:
         raise SystemExit(f"unknown schedules {sorted(unknown)}; choose from {list(SCHEDULES)}")
     settings = Settings(hidden=64, vocab=128, seq_len=32, steps=2, warmup=1, rounds=1) if quick else Settings()
-    settings = dataclasses.replace(settings, schedules=schedules, stages=ranks or settings.stages)
+    settings = dataclasses.replace(settings, schedules=schedules, stages=ranks or settings.stages, torch_peers=torch_peers)
     if steps:
         settings = dataclasses.replace(settings, steps=steps)
+    if rounds:
+        settings = dataclasses.replace(settings, rounds=rounds)
     started = time.perf_counter()
     print(f"GPT hidden {settings.hidden}, {settings.layers} layers, seq {settings.seq_len}, vocab {settings.vocab}, batch {settings.batch}; "
           f"p = {settings.stages} gloo CPU ranks (1 thread each), m = {settings.microbatches}; "
@@ -944,6 +1102,8 @@ def run_gpt(quick: bool, steps: int | None, schedules: tuple[str, ...] = tuple(S
     ))
     if {"1f1b", "zb1"} <= set(settings.schedules):
         print(zb1_against_1f1b(per_rank, settings))
+    for line in issue_goals(per_rank, settings):
+        print(line)
     if "1f1b" in settings.schedules:
         print(timeline([results["1f1b"]["ours"][-1] for results in per_rank], "1f1b"))
     print(f"wall time {time.perf_counter() - started:.0f} s")

@@ -110,7 +110,7 @@ SCHEDULE_RULES: dict[str, ScheduleRule] = {
         stages_per_rank=lambda graph, settings: settings.virtual_stages, grouped=True,
     ),
     "zb1": ScheduleRule(lambda ranks, microbatches, _: zb1(ranks, microbatches)),
-    "3f1b": ScheduleRule(three_f_one_b, stages_per_rank=lambda graph, settings: count_recycles(graph), grouped=True, own_stages=False),
+    "3f1b": ScheduleRule(three_f_one_b, stages_per_rank=lambda graph, settings: count_recycles(graph), own_stages=False),
     "interlaced": ScheduleRule(lambda ranks, microbatches, _: interlaced(ranks, microbatches), own_stages=False, shared_vocabulary=True),
     # the V (schedules.v_shape): rank r holds stages r and 2p - 1 - r, placed by the order's stage_ranks
     "zbv": ScheduleRule(lambda ranks, microbatches, _: zbv(ranks, microbatches), stages_per_rank=2),

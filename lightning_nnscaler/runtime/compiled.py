@@ -14,11 +14,18 @@ segments call (recompute blocks) see it too. The prologue (run once per step, wi
 eager.
 
 Zero-bubble (``W`` actions): the input/weight split of backward (``runtime.split_backward``) walks the
-autograd graph, in which each compiled graph is one node whose backward computes every gradient of
-that graph at once. The split stays correct (the input half keeps the gradient reaching that node, the
-weight half runs it again into the parameters only), but a compiled graph's backward runs in both
-halves: B and W each cost about a whole backward of it. Running a compiled backward twice needs its
-saved tensors kept (``retain_graph``), so segments are compiled without AOTAutograd's donated buffers
+autograd graph, in which each compiled graph is one node whose backward would compute every gradient
+of that graph at once. So for a module with W actions each graph's backward is compiled in two halves
+(``runtime.compiled_split``): an input half (only the nodes the gradients of the graph's activations
+need) and a weight half (the remaining nodes, for the parameters' gradients, reading the saved tensors
+and the intermediates the input half hands over). B runs the input half alone and W the weight half
+alone, so that B and W together run each backward op once, both compiled. This holds for a graph that
+is alone in its group of parameters (a pure pipeline segment is one graph: zb1 or zbv on a GPT without
+tensor parallelism). Graphs that share parameters across a graph break (inline communication between
+two uses of a weight), backends other than ``inductor`` and ``aot_eager``, and a user's compile context
+(``CompileOptions.compiler``) keep the backward whole: it runs in both halves, B and W each costing
+about a whole backward of it. The input half runs with the graph retained (its W comes later), and a
+whole backward may run twice, so segments are compiled without AOTAutograd's donated buffers
 (``torch._functorch.config.donated_buffer``: inductor's backward would reuse saved tensors' memory),
 every plan's alike, since the compile caches can hand one plan's graph to another.
 """
@@ -38,6 +45,7 @@ import torch
 
 from lightning_nnscaler.program import ActionKind
 from lightning_nnscaler.runtime import autograd_comm
+from lightning_nnscaler.runtime.compiled_split import SplitBackend, split_backend
 from lightning_nnscaler.runtime.pipeline import module_actions
 
 SegmentFunction = Callable[..., Any]
@@ -63,9 +71,20 @@ class CompileOptions:
         if unknown:
             raise ValueError(f"compile_options {unknown}: not options of torch.compile (it takes {', '.join(sorted(accepted))})")
 
-    def compile(self, function: SegmentFunction) -> SegmentFunction:
-        """``function`` compiled (lazily: Dynamo traces it at its first call)."""
-        return self.compiler(function) if self.compiler is not None else torch.compile(function, **dict(self.options))
+    def compile(self, function: SegmentFunction, split: list[SplitBackend] | None = None) -> SegmentFunction:
+        """``function`` compiled (lazily: Dynamo traces it at its first call).
+
+        With ``split`` (a module with W actions), its graphs' backwards are compiled as input and weight halves
+        (``runtime.compiled_split``) where the backend allows (``inductor``, ``aot_eager``; not a ``compiler``), and
+        the backend that does so is appended to ``split``."""
+        if self.compiler is not None:
+            return self.compiler(function)
+        splitting = split_backend(self.options) if split is not None else None
+        if splitting is None:
+            return torch.compile(function, **dict(self.options))
+        backend, options = splitting
+        split.append(backend)
+        return torch.compile(function, backend=backend, **options)
 
 
 class _UntracedCommunicator:
@@ -107,10 +126,10 @@ def _rebound(module: ModuleType) -> dict[str, Any]:
 @contextlib.contextmanager
 def compile_settings(module: ModuleType) -> Iterator[None]:
     """The settings a step of compiled segments runs under (forward, and backward, whose graphs AOTAutograd compiles at
-    the first backward): no donated buffers, so that a graph's backward may run twice (zero-bubble's B and W) and
-    find its saved tensors intact, every plan's alike (the compile caches may hand one plan's graph to another); and
-    for a module with W actions, no compiled graph read from the caches at all (one compiled elsewhere with donated
-    buffers could be found there). Torch's config settings are per thread (context variables): ranks run as threads
+    the first backward): no donated buffers, so that a graph's backward may run with its graph retained or twice
+    (zero-bubble's B and W) and find its saved tensors intact, every plan's alike (the compile caches may hand one
+    plan's graph to another); and for a module with W actions, no compiled graph read from the caches at all (one
+    compiled elsewhere with donated buffers, or with its backward not split, could be found there). Torch's config settings are per thread (context variables): ranks run as threads
     (``run_ranks``) each set their own."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
@@ -123,6 +142,21 @@ def compile_settings(module: ModuleType) -> Iterator[None]:
         yield
 
 
+ZERO_BUBBLE_COMPILE_TORCH = (2, 13)
+"""The first torch whose autograd runs a backward from a compiled graph's node (``GradientEdge``), which W needs: torch
+2.11 refuses to read such a node's input metadata (seen on a lent GPU machine); 2.12 was not tried."""
+
+
+def require_split_support() -> None:
+    """Refuse compiled zero-bubble segments (W actions) on a torch that cannot run W from a compiled graph, before any step."""
+    version = torch.torch_version.TorchVersion(torch.__version__)
+    if version < ZERO_BUBBLE_COMPILE_TORCH:
+        raise RuntimeError(
+            f"compile=True with a zero-bubble schedule (zb1, zbv, vhalf, dualpipev: W actions) needs torch >= "
+            f"{'.'.join(map(str, ZERO_BUBBLE_COMPILE_TORCH))} (this is {torch.__version__}, whose autograd cannot start W at a "
+            "compiled graph): use compile=False, a schedule without W (1f1b, interleaved), or a newer torch")
+
+
 def compile_segments(module: ModuleType, options: CompileOptions) -> dict[tuple[int, int], SegmentFunction]:
     """The module's ``SEGMENTS``, each compiled (``options.compile``), called with the same arguments.
 
@@ -131,9 +165,12 @@ def compile_segments(module: ModuleType, options: CompileOptions) -> dict[tuple[
     """
     rebound = _rebound(module)
     wrapped: dict[int, _UntracedCommunicator] = {}
+    split = [] if any(action.kind is ActionKind.WEIGHT for action in module_actions(module)) else None
+    if split is not None:
+        require_split_support()
 
     def compiled(function: SegmentFunction) -> SegmentFunction:
-        traced = options.compile(rebound[function.__name__])
+        traced = options.compile(rebound[function.__name__], split)
 
         @functools.wraps(function)
         def run(held: dict[str, torch.Tensor], shared: dict[str, torch.Tensor], received: dict[int, torch.Tensor], communicator: Any,
@@ -144,6 +181,7 @@ def compile_segments(module: ModuleType, options: CompileOptions) -> dict[tuple[
                 untraced = wrapped[id(communicator)] = _UntracedCommunicator(communicator)
             return traced(held, shared, received, untraced, token)
 
+        run.split_backends = split  # type: ignore[attr-defined]  # the backends that split its backwards (tests read them)
         return run
 
     return {segment: compiled(function) for segment, function in module.SEGMENTS.items()}

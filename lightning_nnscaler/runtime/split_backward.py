@@ -26,6 +26,13 @@ Zero-bubble schedules run ``I(s, m)`` on the critical path and ``W(s, m)`` later
 A segment without boundary inputs that need gradients (the first stage) has no I work: W is the
 whole backward, one ``backward`` from the root.
 
+A compiled graph (``torch.compile``: one autograd node for the whole graph) that is the only junction
+of its group is split inside (``runtime.compiled_split``): I arms it, so that its backward runs only
+its compiled input half and leaves its weight half in the group; W runs that half and one ``backward``
+from the node's edges that leave the input path (seeded with the weight half's gradients) into the
+group's parameters. A compiled junction in a group of several keeps the kept-gradient route above,
+its backward run whole in I and again in W.
+
 Costs that remain: I retains the segment's whole graph until its W (as before the split); the walk
 that finds the junctions runs in Python once per I; and a checkpointed region (``recompute_stages``)
 under a segment with input gradients is recomputed by I and once more by each W group that unpacks
@@ -39,6 +46,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from lightning_nnscaler.runtime.compiled_split import SplitSlot, arm, is_compiled_node
+
 
 @dataclass
 class _Group:
@@ -47,6 +56,11 @@ class _Group:
     parameters: list[torch.Tensor]
     junctions: list[Node]
     kept: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+    edges: dict[Node, dict[int, tuple[Node, int]]] = field(default_factory=dict)
+    """Per junction, its inputs that leave the input path toward parameters: ``next_functions`` position -> edge, read
+    when the group is made (torch 2.11 refuses reading a compiled node's ``next_functions`` once its backward ran)."""
+    split: SplitSlot | None = None
+    """A group of one compiled junction: what its split backward leaves for W (``runtime.compiled_split``)."""
 
 
 @dataclass
@@ -71,6 +85,9 @@ class WeightPass:
 
 def _accumulate_group(group: _Group) -> None:
     """One ``backward`` from the group's junction edges, seeded with their kept gradients, into its parameters."""
+    if group.split is not None and group.split.filled:
+        _accumulate_split(group, group.split)
+        return
     edges, seeds = [], []
     for junction in group.junctions:
         for index, gradient in enumerate(group.kept.get(junction, ())):
@@ -90,6 +107,24 @@ def _accumulate_group(group: _Group) -> None:
     finally:
         for pin in pins:
             pin.remove()
+
+
+def _accumulate_split(group: _Group, split: SplitSlot) -> None:
+    """W of a compiled junction whose I ran alone: its weight half, then one ``backward`` from the junction's inputs
+    that leave the input path (seeded with W's gradients, or I's for an input that is no parameter) into the
+    group's parameters: their accumulators run once each, as in a plain backward."""
+    (junction,) = group.junctions
+    gradients = list(split.gradients or ())
+    for position, gradient in zip(split.weight_positions, split.weights() if split.weights is not None else ()):
+        gradients[position] = gradient
+    group.split = None
+    edges, seeds = [], []
+    for position, (child, index) in group.edges.get(junction, {}).items():
+        if gradients[position] is not None:
+            edges.append(GradientEdge(child, index))
+            seeds.append(gradients[position])
+    if edges:
+        torch.autograd.backward(edges, grad_tensors=seeds, inputs=group.parameters)
 
 
 def input_gradients(
@@ -112,6 +147,9 @@ def input_gradients(
     for group in groups:
         for junction in group.junctions:
             handles.append(junction.register_prehook(_keeper(group.kept, junction)))
+        if len(group.junctions) == 1 and is_compiled_node(group.junctions[0]):
+            group.split = SplitSlot()
+            handles += arm(group.junctions[0], group.split, list(group.edges[group.junctions[0]]))
     try:
         gradients = torch.autograd.grad(root, leaves, retain_graph=True, allow_unused=True)
     finally:
@@ -188,7 +226,12 @@ def _groups(root: Node, leaf_ids: set[int], parameters: dict[int, torch.Tensor])
             junctions.append((node, found[0]))
     by_root: dict[int, _Group] = {}
     for node, key in junctions:
-        by_root.setdefault(find(key), _Group([], [])).junctions.append(node)
+        group = by_root.setdefault(find(key), _Group([], []))
+        group.junctions.append(node)
+        group.edges[node] = {
+            position: (child, index) for position, (child, index) in enumerate(node.next_functions)
+            if child is not None and child not in on_input_path and reached[child]
+        }
     for key in parameters:
         if key in parent:
             by_root[find(key)].parameters.append(parameters[key])

@@ -14,7 +14,7 @@ from lightning_nnscaler.schedules.interleaved import interleaved
 from lightning_nnscaler.schedules.lower import lower
 from lightning_nnscaler.schedules.metrics import Durations, bubble_fraction, peak_in_flight, theoretical_bubble_fraction
 from lightning_nnscaler.schedules.one_f_one_b import one_f_one_b
-from lightning_nnscaler.schedules.recycling import three_f_one_b
+from lightning_nnscaler.schedules.recycling import interleaved_recycling, three_f_one_b
 from lightning_nnscaler.schedules.render import grid
 from lightning_nnscaler.schedules.v_shape import v_half, zbv
 from lightning_nnscaler.schedules.validate import ScheduleError, execute, validate
@@ -36,6 +36,7 @@ __all__ = [
     "grid",
     "interlaced",
     "interleaved",
+    "interleaved_recycling",
     "load_csv",
     "lower",
     "one_f_one_b",

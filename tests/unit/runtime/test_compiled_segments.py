@@ -11,8 +11,9 @@ every recipe with ``backend="aot_eager"`` (Dynamo's graphs and the communication
 forward and backward, no kernels: shows the split into graphs and the backward right), and dp, tp, 1f1b and zb1
 with ``inductor``. The inductor tests need a C++ compiler and are skipped, saying so, without one.
 
-zb1 splits each backward into B (input gradients) and W (weight gradients) over the autograd graph, in which a
-compiled graph is one node: both halves run it (``runtime.compiled``); its gradients still equal eager's.
+zb1 splits each backward into B (input gradients) and W (weight gradients): each compiled graph's backward is
+compiled as those two halves (``runtime.compiled_split``; its own tests in test_compiled_split.py), and its
+gradients equal eager's.
 """
 
 from __future__ import annotations
