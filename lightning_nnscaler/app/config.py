@@ -100,6 +100,10 @@ class JobConfig:
     """Hardware spec the ``plan`` command predicts on (a shipped spec's name or a YAML path); None: that of ``trainer``'s devices."""
     evaluations: int = 5
     threads_per_rank: int = 1
+    compile: bool = False
+    """Run the generated code under ``torch.compile`` (``NnScalerStrategy(compile=True)``)."""
+    compile_options: dict[str, Any] = field(default_factory=dict)
+    """``torch.compile``'s keyword arguments for it (checked when the strategy is made)."""
 
     @property
     def devices_world_size(self) -> int | None:
@@ -138,11 +142,24 @@ def job_config(cfg: DictConfig, hydra: DictConfig | None = None) -> JobConfig:
         model = model_arguments(model, hydra.runtime.choices.get("model"), list(hydra.overrides.task))
     job = JobConfig(
         model=model, data=data, recipe=recipe, trainer=trainer, logger=logger, sample=sample,
-        **{key: container[key] for key in ("seed", "batch_size", "world_size", "spec", "evaluations", "threads_per_rank") if key in container},
+        **{key: container[key] for key in ("seed", "batch_size", "world_size", "spec", "evaluations", "threads_per_rank", "compile", "compile_options") if key in container},
     )
     for key in ("batch_size", "evaluations", "threads_per_rank"):
         _positive_int(key, getattr(job, key))
     _positive_int("seed", job.seed, minimum=0)
+    if not isinstance(job.compile, bool):
+        raise ConfigError(f"compile: expected true or false, got {job.compile!r}")
+    if not isinstance(job.compile_options, dict):
+        raise ConfigError(f"compile_options: expected a mapping of torch.compile arguments, got {job.compile_options!r}")
+    if job.compile_options:
+        from lightning_nnscaler.runtime.compiled import CompileOptions
+
+        if not job.compile:
+            raise ConfigError(f"compile_options={job.compile_options}: compiles nothing without compile=true")
+        try:
+            CompileOptions(job.compile_options)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     if job.world_size is not None:
         _positive_int("world_size", job.world_size)
     if job.spec is not None:

@@ -122,7 +122,8 @@ def run_job(job: JobConfig, run_dir: Path, *, start_method: str = "popen") -> No
     trainer_args.setdefault("val_check_interval", max(1, min(max_steps // job.evaluations, loaders.steps_per_epoch)))
     record = JobRecord()
     trainer = L.Trainer(
-        strategy=lnn.NnScalerStrategy(recipe=job.recipe.name, start_method=start_method, **job.recipe.params),
+        strategy=lnn.NnScalerStrategy(recipe=job.recipe.name, start_method=start_method, compile=job.compile,
+                                      compile_options=job.compile_options or None, **job.recipe.params),
         logger=build_logger(job.logger, run_dir), callbacks=[record, JobReport(job, run_dir, record, started, global_batch)],
         default_root_dir=str(run_dir), enable_checkpointing=False, num_sanity_val_steps=0, **trainer_args,
     )

@@ -113,6 +113,9 @@ def test_a_catalog_recipe_without_a_conf_file_gets_a_generated_entry(tmp_path: P
         (["data.validation_batches=0"], "data.validation_batches"),
         (["logger.kind=mlflow"], "logger.kind"),
         (["spec=tpu9"], "spec"),
+        (["compile=maybe"], "compile"),
+        (["compile=true", "+compile_options.no_such_option=1"], "no_such_option"),
+        (["+compile_options.backend=aot_eager"], "compile_options"),
     ],
 )
 def test_a_bad_override_fails_naming_the_key(overrides: list[str], key: str) -> None:
@@ -217,3 +220,12 @@ def test_the_sweep_table_names_each_jobs_global_batch(tmp_path: Path, capsys: py
     assert [(row["recipe"], row["global_batch"], row["final_train_loss"]) for row in rows] == [("dp", "32", "2.1"), ("tp", "16", "2.4"), ("coshard", "", "")]
     header, dp_row = capsys.readouterr().out.splitlines()[:2]
     assert header.split()[:5] == ["job", "recipe", "params", "world_size", "global_batch"] and dp_row.split()[:5] == ["0", "dp", "{}", "2", "32"]
+
+
+def test_compile_reaches_the_strategy_with_its_options() -> None:
+    """``compile=true compile_options.backend=...`` on the command line becomes ``NnScalerStrategy(compile=True, ...)``."""
+    job = job_config(composed("compile=true", "+compile_options.backend=aot_eager"))
+    assert job.compile is True and job.compile_options == {"backend": "aot_eager"}
+    strategy = lnn.NnScalerStrategy(recipe=job.recipe.name, compile=job.compile, compile_options=job.compile_options or None)
+    assert strategy.compile is not None and strategy.compile.options == {"backend": "aot_eager"}
+    assert job_config(composed()).compile is False
