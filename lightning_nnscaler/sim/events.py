@@ -48,6 +48,7 @@ class EventRun:
         self.spans: list[list[Span]] = [[] for _ in range(self.world)]
         self.blocked_since: list[float | None] = [None] * self.world
         self.live = [0] * self.world
+        self.held = [0] * self.world
         self.started = [0.0] * self.world
         self.now = 0.0
         self.events: list[tuple[float, int, int, int]] = []  # (time, sequence, rank, compute version or -wake token)
@@ -136,11 +137,12 @@ class EventRun:
     def start_compute(self, rank: int, task: Compute) -> None:
         self.state[rank] = _COMPUTING
         stats = self.stats[rank]
-        stats.note_live(self.live[rank] + stats.gradient_bytes + task.transient_bytes)
+        stats.note_live(self.live[rank] + self.held[rank] + stats.gradient_bytes + task.transient_bytes)
         self.live[rank] += task.activation_bytes
+        self.held[rank] += task.held_bytes
         stats.gradient_bytes += task.gradient_bytes  # made while the task frees its activations: counted after it
         stats.peak_activation_bytes = max(stats.peak_activation_bytes, self.live[rank])
-        stats.note_live(self.live[rank] + stats.gradient_bytes)
+        stats.note_live(self.live[rank] + self.held[rank] + stats.gradient_bytes)
         self.started[rank] = self.now
         if not self.shared:
             self.version[rank] += 1

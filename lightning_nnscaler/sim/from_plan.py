@@ -54,6 +54,9 @@ class _Chunk:
     """Most bytes its forward holds beyond what was live before it (``sim.transient``)."""
     backward_peak: int = 0
     """Most bytes its backward holds beyond what was live before it, its kept bytes still counted."""
+    junction: int = 0
+    """Bytes of the output gradients of its ops that read both a trained parameter and an activation: a split
+    backward's input half keeps them for its weight half (``runtime.split_backward``)."""
     ops: list[OpMemory] = field(default_factory=list)
 
     def gradient_vars(self) -> dict[str, int]:
@@ -72,6 +75,21 @@ class _Segment:
     @property
     def kept(self) -> int:
         return sum(item.kept for item in self.items if isinstance(item, _Chunk))
+
+    @property
+    def junction(self) -> int:
+        """What a split backward's I keeps for its W: nothing in a segment without input gradients (W is then its whole backward)."""
+        if not any(message.gradient for message in self.inputs):
+            return 0
+        return sum(item.junction for item in self.items if isinstance(item, _Chunk))
+
+
+def _junction_bytes(action: ComputeAction, memory: OpMemory) -> int:
+    """The bytes of ``action``'s outputs when its backward makes both a trained parameter's gradient and another input's."""
+    kinds = {parameter for _, _, parameter, _ in memory.input_grads}
+    if kinds != {True, False}:
+        return 0
+    return sum(math.prod(output.shape) * dtype_bytes(output.tensor.dtype) for output in action.op.outputs)
 
 
 class TaskBuilder:
@@ -149,7 +167,7 @@ class TaskBuilder:
             chunks = [item for item in segment.items if isinstance(item, _Chunk)]
             seed = self._seeds.get((action.stage, action.microbatch), 0)
             return [Compute(sum(item.backward * WEIGHT_SHARE + item.recompute for item in chunks), "weight", label,
-                            activation_bytes=-(segment.kept + seed))]
+                            activation_bytes=-(segment.kept + seed), held_bytes=-segment.junction)]
         return self._step_tasks(action, rank)
 
     def _backward_action(self, action: Action, segment: _Segment, rank: int) -> list[Task]:
@@ -160,7 +178,9 @@ class TaskBuilder:
         seed = self._seeds.get((action.stage, action.microbatch), 0)
         tasks: list[Task] = [Compute(0.0, "backward", label, activation_bytes=seed)]
         tasks += self._backward(segment, rank, SPLIT_SHARE if self._split else 1.0, release=not self._split, label=label)
-        return tasks + ([] if self._split else [Compute(0.0, "backward", label, activation_bytes=-seed)])
+        if self._split:
+            return tasks + [Compute(0.0, "backward", label, held_bytes=segment.junction)]
+        return tasks + [Compute(0.0, "backward", label, activation_bytes=-seed)]
 
     def _step_tasks(self, action: Action, rank: int) -> list[Task]:
         """LOSS, REDUCE, GATHER, FREE and STEP (see the module docstring)."""
@@ -208,7 +228,9 @@ class TaskBuilder:
                 transient.follow(action)
                 chunk.kept += op_kept
                 chunk.forward_peak = max(chunk.forward_peak, chunk.kept + transient.forward_bytes(action))
-                chunk.ops.append(transient.op_memory(action, op_kept))
+                memory = transient.op_memory(action, op_kept)
+                chunk.ops.append(memory)
+                chunk.junction += _junction_bytes(action, memory)
             elif isinstance(action, Assemble):
                 nbytes = math.prod(action.piece.shape) * dtype_bytes(action.piece.tensor.dtype)
                 segment.items.append(_Chunk(self.compute.copy_seconds(nbytes), self.compute.copy_seconds(nbytes)))

@@ -29,6 +29,7 @@ class ListRun:
         self.stats = [RankStats() for _ in range(self.world)]
         self.spans: list[list[Span]] = [[] for _ in range(self.world)]
         self.live = [0] * self.world
+        self.held = [0] * self.world
         self.sent: dict[tuple[int, int], int] = {}
         self.received: dict[tuple[int, int], int] = {}
         self.messages: dict[tuple[int, int, int], tuple[float, float]] = {}  # (src, dst, k) -> (posted, arrives)
@@ -62,22 +63,23 @@ class ListRun:
         index, clock, count = self.cursor[rank], self.clock[rank], len(tasks)
         busy, live, peak = 0.0, self.live[rank], stats.peak_activation_bytes
         peak_live, gradients, at_peak = stats.peak_live_bytes, stats.gradient_bytes, stats.gradients_at_peak
-        sent = stats.sent_bytes
+        sent, held = stats.sent_bytes, self.held[rank]
         while index < count:
             task = tasks[index]
             kind = type(task)
             if kind is Compute:
                 end = clock + task.seconds
                 busy += task.seconds
-                if live + gradients + sent + task.transient_bytes > peak_live:
-                    peak_live, at_peak = live + gradients + sent + task.transient_bytes, gradients
+                if live + gradients + sent + held + task.transient_bytes > peak_live:
+                    peak_live, at_peak = live + gradients + sent + held + task.transient_bytes, gradients
                 gradients += task.gradient_bytes  # made while the task frees its activations: counted after it
                 if task.activation_bytes:
                     live += task.activation_bytes
                     if live > peak:
                         peak = live
-                if live + gradients + sent > peak_live:
-                    peak_live, at_peak = live + gradients + sent, gradients
+                held += task.held_bytes
+                if live + gradients + sent + held > peak_live:
+                    peak_live, at_peak = live + gradients + sent + held, gradients
                 if record:
                     self.spans[rank].append(Span(task.kind, clock, end, task.label))
                 clock = end
@@ -118,7 +120,7 @@ class ListRun:
                 if spans:
                     clock = self._wait(rank, clock, min(start for start, _ in spans), max(end for _, end in spans), "wait", task.label)
             index += 1
-        self.cursor[rank], self.clock[rank], self.live[rank] = index, clock, live
+        self.cursor[rank], self.clock[rank], self.live[rank], self.held[rank] = index, clock, live, held
         stats.busy += busy
         stats.peak_activation_bytes, stats.peak_live_bytes, stats.gradient_bytes, stats.gradients_at_peak, stats.sent_bytes = peak, peak_live, gradients, at_peak, sent
         if index == count:

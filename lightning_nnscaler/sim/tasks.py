@@ -36,6 +36,9 @@ class Compute(NamedTuple):
     activation_bytes: int = 0
     transient_bytes: int = 0
     gradient_bytes: int = 0
+    held_bytes: int = 0
+    """Bytes the rank holds from the end of this task on (negative: stops holding) that are neither activations nor
+    parameter gradients: what a split backward's input half keeps for its weight half."""
 
 
 class Send(NamedTuple):
