@@ -149,7 +149,8 @@ def interleaved_plan(graph: Graph, ctx: PlanContext, config: InterleavedConfig) 
 
 def three_f_one_b_plan(graph: Graph, ctx: PlanContext, config: StagedConfig) -> None:
     """3F1B for models with recycling: each no-grad recycling pass is cut into ``stages`` forward-only
-    stages, placed like the gradient pass's, and their forwards fill the gradient pass's bubbles."""
+    stages, placed like the gradient pass's; each rank runs them over every microbatch, then 1F1B on its
+    gradient-pass stage (``schedules.three_f_one_b``)."""
     pipeline(graph, ctx, "3f1b", PipelineSettings(**fields_of(config)))
 
 
