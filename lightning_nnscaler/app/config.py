@@ -152,12 +152,12 @@ def job_config(cfg: DictConfig, hydra: DictConfig | None = None) -> JobConfig:
     if not isinstance(job.compile_options, dict):
         raise ConfigError(f"compile_options: expected a mapping of torch.compile arguments, got {job.compile_options!r}")
     if job.compile_options:
-        from lightning_nnscaler.runtime.compiled import CompileOptions
+        from lightning_nnscaler.strategy import NnScalerStrategy
 
         if not job.compile:
             raise ConfigError(f"compile_options={job.compile_options}: compiles nothing without compile=true")
         try:
-            CompileOptions(job.compile_options)
+            NnScalerStrategy(recipe=job.recipe.name, compile=True, compile_options=job.compile_options)
         except ValueError as error:
             raise ConfigError(str(error)) from None
     if job.world_size is not None:
