@@ -53,8 +53,9 @@ def shape_and_plan(run: PublishedRun) -> tuple[TransformerShape, ClusterPlan]:
     """The analytic shape and plan that ``run`` is predicted as (its assumptions included)."""
     shape = TransformerShape(layers=run.simulated_layers or run.layers, hidden=run.hidden, seq_len=run.seq_len, vocab=run.vocab,
                              heads=run.heads, global_batch=run.global_batch, embeddings=run.embeddings)
-    plan = ClusterPlan(run.dp, run.tp, run.pp, run.microbatch, run.recompute, run.zero1, run.sequence_parallel and run.tp > 1,
-                       run.virtual_stages, run.overlap_grad_reduce, run.overlap_tp_comm)
+    plan = ClusterPlan(dp=run.dp, tp=run.tp, pp=run.pp, microbatch_size=run.microbatch, recompute=run.recompute, zero1=run.zero1,
+                       sequence_parallel=run.sequence_parallel and run.tp > 1, virtual_stages=run.virtual_stages,
+                       overlap_grad_reduce=run.overlap_grad_reduce, overlap_tp_comm=run.overlap_tp_comm)
     return shape, plan
 
 

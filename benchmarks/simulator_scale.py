@@ -40,7 +40,8 @@ PLANS = [  # (name, shape, plan, spec, run rank by rank)
      ClusterPlan(dp=128, tp=8, pp=16, microbatch_size=1), "h100", False),
     ("GPT-3 175B, full recompute", GPT3, ClusterPlan(dp=8, tp=8, pp=16, microbatch_size=1, recompute="full"), "a100", False),
     ("Llama-3-405B-like, as calibrated", LLAMA3_405B,
-     ClusterPlan(128, 8, 16, 1, "selective", zero1=True, sequence_parallel=True, virtual_stages=4, overlap_grad_reduce=True), "h100", False),
+     ClusterPlan(dp=128, tp=8, pp=16, microbatch_size=1, recompute="selective", zero1=True, sequence_parallel=True, virtual_stages=4,
+                 overlap_grad_reduce=True), "h100", False),
 ]
 
 
@@ -65,11 +66,11 @@ def main() -> None:
         spec = cluster_spec(spec_name)
         world = plan.dp * plan.tp * plan.pp
         layout = {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp}
-        symmetric_tasks = sum(map(len, transformer_task_lists(shape, spec, **layout, representatives=True, recipe=plan.recipe)))
+        symmetric_tasks = sum(map(len, transformer_task_lists(shape, spec, **layout, representatives=True, recipe=plan)))
         fast, result = timed(lambda: simulate_plan(shape, spec, plan), args.repeats)
         slow_text, ratio_text, tasks_text, agree = "-", "-", "-", ""
         if every_rank and not args.skip_rank_by_rank:
-            lists = transformer_task_lists(shape, spec, **layout, recipe=plan.recipe)
+            lists = transformer_task_lists(shape, spec, **layout, recipe=plan)
             tasks_text = f"{sum(map(len, lists)):,}"
             del lists
             slow, every = timed(lambda: simulate_plan(shape, spec, plan, symmetric=False), 1)

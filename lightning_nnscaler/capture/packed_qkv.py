@@ -27,6 +27,8 @@ from torch import fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from lightning_nnscaler.capture.packed import _only_user, _shape
+
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
@@ -78,15 +80,6 @@ def _erase_unread(graph: fx.Graph, packed: PackedParts) -> None:
 def _kind(exported: ExportedProgram, node: fx.Node) -> InputKind | None:
     spec = next((spec for spec in exported.graph_signature.input_specs if getattr(spec.arg, "name", None) == node.name), None)
     return None if spec is None else spec.kind
-
-
-def _only_user(node: fx.Node) -> fx.Node | None:
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
-
-
-def _shape(node: fx.Node) -> tuple[int, ...]:
-    return tuple(int(size) for size in node.meta["val"].shape)
 
 
 def _packed(node: fx.Node, parameters: set[fx.Node]) -> PackedParts | None:

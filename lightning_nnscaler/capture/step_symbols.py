@@ -26,8 +26,6 @@ from typing import Any, Protocol
 
 import torch
 
-QUANTITIES = ("batch_idx", "global_step", "current_epoch")
-
 _ARITHMETIC: dict[str, Callable[..., Any]] = {
     "add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
     "floordiv": operator.floordiv, "mod": operator.mod, "pow": pow, "neg": operator.neg, "pos": operator.pos, "abs": abs,

@@ -34,12 +34,10 @@ def stdlib_files(limit: int | None = None) -> list[Path]:
 
 @dataclass(frozen=True)
 class TextSplits:
-    """The training and validation text as byte tensors (uint8) and the files each came from."""
+    """The training and validation text as byte tensors (uint8)."""
 
     train: Tensor
     validation: Tensor
-    train_files: tuple[str, ...]
-    validation_files: tuple[str, ...]
 
 
 def load_stdlib_text(*, validation_every: int = 10, max_files: int | None = None) -> TextSplits:
@@ -53,15 +51,12 @@ def load_stdlib_text(*, validation_every: int = 10, max_files: int | None = None
         raise ValueError(f"data.validation_every must be at least 2, got {validation_every}")
     train: list[bytes] = []
     validation: list[bytes] = []
-    train_names: list[str] = []
-    validation_names: list[str] = []
     for path in stdlib_files(max_files):
         held_out = zlib.crc32(path.name.encode()) % validation_every == 0
         (validation if held_out else train).append(path.read_bytes())
-        (validation_names if held_out else train_names).append(path.name)
     if not train or not validation:
         raise ValueError(f"data.max_files={max_files} leaves {'no training' if not train else 'no validation'} file: read more files")
-    return TextSplits(_bytes_tensor(SEPARATOR.join(train)), _bytes_tensor(SEPARATOR.join(validation)), tuple(train_names), tuple(validation_names))
+    return TextSplits(_bytes_tensor(SEPARATOR.join(train)), _bytes_tensor(SEPARATOR.join(validation)))
 
 
 def _bytes_tensor(text: bytes) -> Tensor:

@@ -76,7 +76,7 @@ class CoverageReport:
     refusals: tuple[Refusal, ...]
     """Ops the recipe meant to split but left whole (replicated), each once."""
     unsplit: tuple[str, ...] = ()
-    """The refusals described by module, one line per kind of module (see `describe_refusals`)."""
+    """The refusals described by module, one line per kind of module (see `_describe`)."""
 
     @property
     def split_fraction(self) -> float:
@@ -186,15 +186,10 @@ def parameter_coverage(planned: Graph) -> list[ParameterCoverage]:
     return coverage
 
 
-def describe_refusals(original: Graph, refusals: Sequence[Refusal]) -> list[str]:
+def _describe(original: Graph, refusals: Sequence[Refusal]) -> tuple[list[str], set[int]]:
     """The refusals by module, modules refused alike on one line, e.g. ``attention modules
     blocks.0.attn, blocks.1.attn (4 heads, which 3 parts do not divide): q_proj, k_proj, v_proj,
-    out_proj by dim 'n' of size 32 (3 parts)``."""
-    return _describe(original, refusals)[0]
-
-
-def _describe(original: Graph, refusals: Sequence[Refusal]) -> tuple[list[str], set[int]]:
-    """The lines of `describe_refusals`, and the head counts of the attention modules among them."""
+    out_proj by dim 'n' of size 32 (3 parts)``; and the head counts of the attention modules among them."""
     neighbours = _Neighbours(original)
     units: dict[str, list[tuple[str, Refusal]]] = defaultdict(list)  # module -> (label in it, refusal)
     for refusal in refusals:

@@ -2,8 +2,8 @@
 
 It is the plan's one artifact after lowering (DESIGN.md §9): the runtime dispatches each rank's actions
 (``runtime.pipeline``), the simulator runs the same actions with a clock (``sim.from_plan``), and a
-test checks that the simulator's sequence is what the runtime executed. A rank's text is one action per
-line (``Program.rank_text``); ``Program.from_text`` reads it back.
+test checks that the simulator's sequence is what the runtime executed. ``Program.as_text`` gives each rank's
+actions as texts, one per action; ``Program.from_text`` reads them back.
 """
 
 from __future__ import annotations
@@ -47,10 +47,6 @@ class Program:
     def world_size(self) -> int:
         """The number of ranks."""
         return len(self.actions)
-
-    def rank_text(self, rank: int) -> str:
-        """Rank ``rank``'s actions, one per line."""
-        return "\n".join(str(action) for action in self.actions[rank])
 
     def as_text(self) -> list[list[str]]:
         """Per-rank lists of action texts."""

@@ -43,7 +43,7 @@ Backward sends are asynchronous: call ``comm.wait_sends()`` after backward, as a
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -144,27 +144,18 @@ def recv(
     return _Recv.apply(token, tuple(shape), dtype, src, tag, comm)
 
 
-def _collective(
-    token: torch.Tensor,
-    tensor: torch.Tensor | None,
-    forward_op: Callable[[torch.Tensor | None], torch.Tensor],
-    backward_op: Callable[[torch.Tensor], torch.Tensor | None],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _Collective.apply(token, tensor, forward_op, backward_op)
-
-
 def all_reduce(
     token: torch.Tensor, tensor: torch.Tensor, ranks: tuple[int, ...], comm: Communicator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum over ``ranks``; backward all-reduces the gradient. Returns ``(sum, token)``."""
-    return _collective(token, tensor, partial(comm.all_reduce, ranks=ranks), partial(comm.all_reduce, ranks=ranks))
+    return _Collective.apply(token, tensor, partial(comm.all_reduce, ranks=ranks), partial(comm.all_reduce, ranks=ranks))
 
 
 def all_gather(
     token: torch.Tensor, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...], comm: Communicator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate along ``dim`` in ``ranks`` order; backward reduce-scatters the gradient. Returns ``(tensor, token)``."""
-    return _collective(
+    return _Collective.apply(
         token, tensor, partial(comm.all_gather, dim=dim, ranks=ranks), partial(comm.reduce_scatter, dim=dim, ranks=ranks)
     )
 
@@ -173,7 +164,7 @@ def reduce_scatter(
     token: torch.Tensor, tensor: torch.Tensor, dim: int, ranks: tuple[int, ...], comm: Communicator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum, keep this rank's chunk along ``dim``; backward all-gathers the gradient. Returns ``(chunk, token)``."""
-    return _collective(
+    return _Collective.apply(
         token, tensor, partial(comm.reduce_scatter, dim=dim, ranks=ranks), partial(comm.all_gather, dim=dim, ranks=ranks)
     )
 
@@ -184,7 +175,7 @@ def all_to_all(
     """Split along ``split_dim``, exchange, concatenate along ``concat_dim``; backward swaps the dims."""
     forward_op = partial(comm.all_to_all, split_dim=split_dim, concat_dim=concat_dim, ranks=ranks)
     backward_op = partial(comm.all_to_all, split_dim=concat_dim, concat_dim=split_dim, ranks=ranks)
-    return _collective(token, tensor, forward_op, backward_op)
+    return _Collective.apply(token, tensor, forward_op, backward_op)
 
 
 def broadcast(
@@ -203,4 +194,4 @@ def broadcast(
         return total if comm.rank == src else None
 
     forward_op = partial(comm.broadcast, src=src, ranks=ranks, shape=tuple(shape), dtype=dtype)
-    return _collective(token, tensor, forward_op, sum_to_source)
+    return _Collective.apply(token, tensor, forward_op, sum_to_source)

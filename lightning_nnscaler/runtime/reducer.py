@@ -305,11 +305,6 @@ class GradientReducer:
         """Stage 0: each bucket's flat gradient buffer (the replicated gradients are views of them)."""
         return [bucket.buffer for bucket in self._buckets]
 
-    @property
-    def bucket_count(self) -> int:
-        """How many buckets the rank sums (ZeRO's or stage 0's)."""
-        return len(self._zero_buckets) if self.zero_stage else len(self._buckets)
-
     def gather_boxes(self) -> None:
         """Rebuild every replicated box from the owned chunks of its ranks."""
         for order in range(len(self._zero_buckets)):

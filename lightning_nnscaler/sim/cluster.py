@@ -37,30 +37,17 @@ BYTES_PER_PARAMETER = 16  # bf16 weight + bf16 gradient + fp32 master weight, mo
 MICROBATCH_SIZES = (1, 2, 4)
 
 
-@dataclass(frozen=True)
-class ClusterPlan:
-    """A dp × tp × pp 1F1B plan (rank = (replica · pp + stage) · tp + piece, as ``hybrid3d``), with activation
-    ``recompute`` (none, selective, full), ``zero1`` (the distributed optimizer) and ``sequence_parallel``
-    (``analytic.Recipe``; the defaults: none of them), ``virtual_stages`` chunks per rank (interleaved 1F1B; 1:
-    plain), ``overlap_grad_reduce`` (the gradient reduction in buckets during the last backward) and
-    ``overlap_tp_comm`` (tp collectives hidden behind the matmuls, as far as they last)."""
+@dataclass(frozen=True, kw_only=True)
+class ClusterPlan(Recipe):
+    """A dp × tp × pp 1F1B plan (rank = (replica · pp + stage) · tp + piece, as ``hybrid3d``) at ``microbatch_size``
+    sequences per microbatch, trained as its ``analytic.Recipe`` fields say (activation ``recompute``, ``zero1``,
+    ``sequence_parallel``, ``virtual_stages``, ``overlap_grad_reduce``, ``overlap_tp_comm``; the defaults: none of
+    them); it is passed as the recipe itself."""
 
     dp: int
     tp: int
     pp: int
     microbatch_size: int
-    recompute: str = "none"
-    zero1: bool = False
-    sequence_parallel: bool = False
-    virtual_stages: int = 1
-    overlap_grad_reduce: bool = False
-    overlap_tp_comm: bool = False
-
-    @property
-    def recipe(self) -> Recipe:
-        return Recipe(recompute=self.recompute, zero1=self.zero1, sequence_parallel=self.sequence_parallel,
-                      virtual_stages=self.virtual_stages, overlap_grad_reduce=self.overlap_grad_reduce,
-                      overlap_tp_comm=self.overlap_tp_comm)
 
     def __str__(self) -> str:
         extras = ([f"{self.recompute} recompute"] * (self.recompute != "none") + ["ZeRO-1"] * self.zero1 + ["sp"] * self.sequence_parallel
@@ -145,12 +132,12 @@ def simulate_plan(shape: TransformerShape, spec: HardwareSpec, plan: ClusterPlan
     comm = CommModel(spec)
     if symmetric is not False:
         if symmetric_layout(spec.ranks_per_node, **layout, wrap=plan.virtual_stages > 1):
-            lists = transformer_task_lists(sized, spec, **layout, representatives=True, recipe=plan.recipe)
+            lists = transformer_task_lists(sized, spec, **layout, representatives=True, recipe=plan)
             result = simulate(lists, SymmetricComm(comm, representative_ranks(tp=plan.tp, pp=plan.pp)), Machine(spec.ranks_per_node))
             return expand(result, **layout)
         if symmetric:
             raise ValueError(f"{plan} is not symmetric on {spec.ranks_per_node} ranks per node: simulate it rank by rank")
-    return simulate(transformer_task_lists(sized, spec, **layout, recipe=plan.recipe), comm, Machine(spec.ranks_per_node))
+    return simulate(transformer_task_lists(sized, spec, **layout, recipe=plan), comm, Machine(spec.ranks_per_node))
 
 
 def evaluate(shape: TransformerShape, spec: HardwareSpec, plan: ClusterPlan, limit: float, *, symmetric: bool | None = None) -> ClusterOutcome:
@@ -181,7 +168,8 @@ def cluster_plans(
                 if shape.global_batch % (dp * size) == 0:
                     microbatches = shape.global_batch // (dp * size)
                     chunks = [v for v in virtual_stages if v == 1 or (pp > 1 and shape.layers % (pp * v) == 0 and microbatches % pp == 0)]
-                    found += [ClusterPlan(dp, tp, pp, size, recompute, zero1, sp, v, overlap_grad_reduce)
+                    found += [ClusterPlan(dp=dp, tp=tp, pp=pp, microbatch_size=size, recompute=recompute, zero1=zero1,
+                                          sequence_parallel=sp, virtual_stages=v, overlap_grad_reduce=overlap_grad_reduce)
                               for v in chunks
                               for recompute in (RECOMPUTE_MODES if recipes else ("none",))
                               for zero1 in (((True,) if prune else (False, True)) if recipes and dp > 1 else (False,))
@@ -218,4 +206,4 @@ def search_cluster(
 def megatron_baseline(shape: TransformerShape, spec: HardwareSpec | str, world_size: int, *, tp: int = 8, pp: int = 4) -> ClusterOutcome:
     """The Megatron-style plan: ``tp`` within a node × ``pp`` stages (dp the rest), microbatch 1, whatever its memory
     (priced as ``search_cluster`` prices)."""
-    return evaluate(shape, cluster_spec(spec), ClusterPlan(world_size // (tp * pp), tp, pp, 1), float("inf"))
+    return evaluate(shape, cluster_spec(spec), ClusterPlan(dp=world_size // (tp * pp), tp=tp, pp=pp, microbatch_size=1), float("inf"))

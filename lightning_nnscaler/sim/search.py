@@ -42,7 +42,6 @@ FAMILIES = (
     "interlaced", "hybrid3d",
 )
 """The catalog recipes the search explores, cheapest to plan first (ties in predicted time keep this order)."""
-PIPELINES = ("gpipe", "1f1b", "zb1", "zbv", "vhalf", "dualpipev", "interleaved", "3f1b", "interlaced")
 MICROBATCH_CHOICES = 3  # per stage count: the smallest divisors of the replica's batch that are >= stages
 RECOMPUTED_PIPELINES = ("1f1b", "zb1", "hybrid3d")
 """Searched with per-stage choices too (``STAGE_OPTIONS``): recomputed, then co-sharded, the first stage (under 1F1B

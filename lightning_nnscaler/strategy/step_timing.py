@@ -29,7 +29,7 @@ MEASURED_AFTER = 3
 
 @dataclass(frozen=True)
 class PredictedStep:
-    """The simulated step of a fit's plan: on which spec, how long, and what predicting it cost."""
+    """The simulated step of a fit's plan: on which spec, and how long."""
 
     spec: str
     """The shipped spec's name (``load_spec`` takes it)."""
@@ -38,7 +38,6 @@ class PredictedStep:
     step_seconds: float
     note: str
     """Why this spec, when it is not the device's own ("" when it is)."""
-    predict_seconds: float
 
 
 def device_name(device: torch.device) -> str:
@@ -53,12 +52,11 @@ def predict_step(plan: Any, device: torch.device) -> PredictedStep | None:
         from lightning_nnscaler.sim import predict, spec_for_device  # the simulator only when a fit plans
 
         spec, note = spec_for_device(device_name(device))
-        started = time.perf_counter()
         prediction = predict(plan, spec)
     except Exception as error:  # any simulator bug: the run must not depend on its prediction
         rank_zero_warn(f"NnScalerStrategy: no predicted step time is logged, the simulator failed: {type(error).__name__}: {error}")
         return None
-    return PredictedStep(spec, prediction.spec_name, prediction.step_seconds, note, time.perf_counter() - started)
+    return PredictedStep(spec, prediction.spec_name, prediction.step_seconds, note)
 
 
 class StepTimer:

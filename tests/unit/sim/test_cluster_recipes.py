@@ -35,7 +35,8 @@ def test_a_layers_activations_are_korthikantis_table_2(recompute: str, sequence_
 
 def test_the_simulated_peak_follows_the_recompute() -> None:
     spec = load_spec("a100")
-    peaks = [simulate_plan(GPT3, spec, ClusterPlan(8, 8, 16, 1, recompute)).ranks[0].peak_activation_bytes
+    peaks = [simulate_plan(GPT3, spec, ClusterPlan(dp=8, tp=8, pp=16, microbatch_size=1, recompute=recompute))
+             .ranks[0].peak_activation_bytes
              for recompute in ("none", "selective", "full")]
     assert peaks[0] > peaks[1] > peaks[2]
     # stage 0 of 16 holds 16 microbatches in flight in 1F1B, 6 layers each
@@ -44,7 +45,7 @@ def test_the_simulated_peak_follows_the_recompute() -> None:
 
 def test_recomputing_costs_step_time() -> None:
     spec = load_spec("a100")
-    none, selective, full = (simulate_plan(GPT3, spec, ClusterPlan(8, 8, 16, 1, recompute))
+    none, selective, full = (simulate_plan(GPT3, spec, ClusterPlan(dp=8, tp=8, pp=16, microbatch_size=1, recompute=recompute))
                              for recompute in ("none", "selective", "full"))
     assert full.step_seconds > selective.step_seconds > none.step_seconds
     # compute (the optimizer's update included): Korthikanti et al. §5, 2.7 % more FLOPs for GPT-3; full: ×4/3
@@ -54,18 +55,20 @@ def test_recomputing_costs_step_time() -> None:
 
 def test_zero1_divides_the_optimizer_state_by_dp() -> None:
     parameters = GPT3.layers * 12 * GPT3.hidden**2
-    plan = ClusterPlan(8, 8, 16, 1, zero1=True)
+    plan = ClusterPlan(dp=8, tp=8, pp=16, microbatch_size=1, zero1=True)
     assert all(optimizer_state_bytes(GPT3, plan, stage) == 12 * parameters / (8 * 16 * 8) for stage in range(16))
-    assert optimizer_state_bytes(GPT3, ClusterPlan(8, 8, 16, 1), 0) == 12 * parameters / (8 * 16)
+    assert optimizer_state_bytes(GPT3, ClusterPlan(dp=8, tp=8, pp=16, microbatch_size=1), 0) == 12 * parameters / (8 * 16)
     spec = load_spec("a100")
-    plain, zero1 = evaluate(GPT3, spec, ClusterPlan(8, 8, 16, 1), float("inf")), evaluate(GPT3, spec, plan, float("inf"))
+    plain = evaluate(GPT3, spec, ClusterPlan(dp=8, tp=8, pp=16, microbatch_size=1), float("inf"))
+    zero1 = evaluate(GPT3, spec, plan, float("inf"))
     assert plain.peak_bytes - zero1.peak_bytes == pytest.approx(12 * parameters / (8 * 16) * (1 - 1 / 8))
     assert zero1.step_seconds < plain.step_seconds  # the same ring bytes, an eighth of the update
 
 
 def test_sequence_parallelism_moves_the_same_tp_bytes() -> None:
     spec = load_spec("a100")
-    plain, sp = (simulate_plan(GPT3, spec, ClusterPlan(8, 8, 16, 1, sequence_parallel=flag)) for flag in (False, True))
+    plain, sp = (simulate_plan(GPT3, spec, ClusterPlan(dp=8, tp=8, pp=16, microbatch_size=1, sequence_parallel=flag))
+                 for flag in (False, True))
     assert sp.step_seconds == pytest.approx(plain.step_seconds, rel=1e-9)
     assert sp.ranks[0].peak_activation_bytes < plain.ranks[0].peak_activation_bytes
 
@@ -95,14 +98,15 @@ def test_the_default_plan_keeps_todays_step_time() -> None:
 def test_a_recipe_names_its_recompute() -> None:
     with pytest.raises(ValueError, match="recompute"):
         Recipe(recompute="some")
-    assert str(ClusterPlan(8, 8, 16, 1, "selective", True, True)) == "dp 8 × tp 8 × pp 16, microbatch 1, selective recompute, ZeRO-1, sp"
+    plan = ClusterPlan(dp=8, tp=8, pp=16, microbatch_size=1, recompute="selective", zero1=True, sequence_parallel=True)
+    assert str(plan) == "dp 8 × tp 8 × pp 16, microbatch 1, selective recompute, ZeRO-1, sp"
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])
 def test_one_rank_per_stage_gives_the_rank_by_rank_result_with_every_recipe(recompute: str) -> None:
     spec = load_spec("a100")
     shape = TransformerShape(layers=8, hidden=1024, seq_len=512, vocab=1000, heads=8, global_batch=32, embeddings=True)
-    plan = ClusterPlan(2, 2, 4, 1, recompute, zero1=True, sequence_parallel=True)
+    plan = ClusterPlan(dp=2, tp=2, pp=4, microbatch_size=1, recompute=recompute, zero1=True, sequence_parallel=True)
     every, stages = simulate_plan(shape, spec, plan, symmetric=False), simulate_plan(shape, spec, plan)
     assert stages.step_seconds == every.step_seconds
     assert [rank.peak_live_bytes for rank in stages.ranks] == [rank.peak_live_bytes for rank in every.ranks]

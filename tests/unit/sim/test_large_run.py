@@ -23,10 +23,13 @@ BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 
 
 @pytest.mark.parametrize("plan", [
-    ClusterPlan(2, 2, 4, 1, virtual_stages=2),
-    ClusterPlan(2, 2, 4, 1, "selective", True, True, 2, True, True),
-    ClusterPlan(2, 2, 4, 1, "full", True, False, 1, True),
-    ClusterPlan(4, 2, 1, 1, "none", True, True, 1, True, True),
+    ClusterPlan(dp=2, tp=2, pp=4, microbatch_size=1, virtual_stages=2),
+    ClusterPlan(dp=2, tp=2, pp=4, microbatch_size=1, recompute="selective", zero1=True, sequence_parallel=True, virtual_stages=2,
+                overlap_grad_reduce=True, overlap_tp_comm=True),
+    ClusterPlan(dp=2, tp=2, pp=4, microbatch_size=1, recompute="full", zero1=True, sequence_parallel=False, virtual_stages=1,
+                overlap_grad_reduce=True),
+    ClusterPlan(dp=4, tp=2, pp=1, microbatch_size=1, recompute="none", zero1=True, sequence_parallel=True, virtual_stages=1,
+                overlap_grad_reduce=True, overlap_tp_comm=True),
 ])
 def test_one_rank_per_stage_gives_the_rank_by_rank_result_with_the_paper_recipes(plan: ClusterPlan) -> None:
     spec = cluster_spec("h100")  # with its stage-message overhead tasks
@@ -41,7 +44,7 @@ def test_interleaving_cuts_the_bubble_to_p_minus_1_over_v_m() -> None:
     shape = replace(SMALL, layers=16, embeddings=False, global_batch=16)
     idle = {}
     for chunks in (1, 2, 4):
-        result = simulate_plan(shape, free, ClusterPlan(1, 1, 4, 1, virtual_stages=chunks))
+        result = simulate_plan(shape, free, ClusterPlan(dp=1, tp=1, pp=4, microbatch_size=1, virtual_stages=chunks))
         idle[chunks] = result.ranks[0].idle
         assert result.ranks[0].busy == pytest.approx(result.ranks[3].busy)  # the same work, in v chunks
     # 1F1B's bubble: (p - 1) of the m = 16 microbatches' forward and backward; interleaved, 1/v of it
@@ -51,10 +54,10 @@ def test_interleaving_cuts_the_bubble_to_p_minus_1_over_v_m() -> None:
 
 def test_overlapping_the_gradient_reduction_and_tp_comm_shortens_the_step() -> None:
     spec = cluster_spec("h100")
-    plain = simulate_plan(SMALL, spec, ClusterPlan(4, 2, 1, 1, zero1=True, sequence_parallel=True)).step_seconds
-    grads = simulate_plan(SMALL, spec, ClusterPlan(4, 2, 1, 1, zero1=True, sequence_parallel=True, overlap_grad_reduce=True)).step_seconds
-    both = simulate_plan(SMALL, spec, ClusterPlan(4, 2, 1, 1, zero1=True, sequence_parallel=True, overlap_grad_reduce=True,
-                                                   overlap_tp_comm=True)).step_seconds
+    layout = {"dp": 4, "tp": 2, "pp": 1, "microbatch_size": 1, "zero1": True, "sequence_parallel": True}
+    plain = simulate_plan(SMALL, spec, ClusterPlan(**layout)).step_seconds
+    grads = simulate_plan(SMALL, spec, ClusterPlan(**layout, overlap_grad_reduce=True)).step_seconds
+    both = simulate_plan(SMALL, spec, ClusterPlan(**layout, overlap_grad_reduce=True, overlap_tp_comm=True)).step_seconds
     assert both < grads < plain
 
 
@@ -73,10 +76,11 @@ def test_a_named_spec_prices_the_analytic_path_with_its_large_run_terms() -> Non
 
 
 def test_each_outcome_states_what_it_assumed() -> None:
-    outcome = evaluate(SMALL, cluster_spec("a100"), ClusterPlan(2, 2, 4, 1, overlap_grad_reduce=True), float("inf"))
+    plan = ClusterPlan(dp=2, tp=2, pp=4, microbatch_size=1, overlap_grad_reduce=True)
+    outcome = evaluate(SMALL, cluster_spec("a100"), plan, float("inf"))
     assert "A100-SXM4-80GB (large-run terms): matmuls at" in outcome.basis
     assert "gradient reduction overlapped" in outcome.basis and "mean absolute error" in outcome.basis
-    assert "not calibrated" in evaluate(SMALL, load_spec("a100"), ClusterPlan(2, 2, 4, 1), float("inf")).basis
+    assert "not calibrated" in evaluate(SMALL, load_spec("a100"), ClusterPlan(dp=2, tp=2, pp=4, microbatch_size=1), float("inf")).basis
 
 
 def test_the_search_tries_interleaving_and_prunes_dominated_recipes() -> None:
@@ -92,7 +96,7 @@ def test_the_search_tries_interleaving_and_prunes_dominated_recipes() -> None:
 def test_a_recipe_refuses_no_chunks() -> None:
     with pytest.raises(ValueError, match="virtual_stages"):
         Recipe(virtual_stages=0)
-    assert "interleaved × 2" in str(ClusterPlan(1, 1, 4, 1, virtual_stages=2, overlap_grad_reduce=True))
+    assert "interleaved × 2" in str(ClusterPlan(dp=1, tp=1, pp=4, microbatch_size=1, virtual_stages=2, overlap_grad_reduce=True))
 
 
 def test_the_shipped_terms_predict_the_published_runs_within_the_goal() -> None:
