@@ -151,6 +151,9 @@ class Settings(Measurement):
     rounds: int = 3
     schedules: tuple[str, ...] = tuple(SCHEDULES)
     """The schedules of ``SCHEDULES`` to run (``--schedules``)."""
+    balance: str = "estimate"
+    """What prices our stage cut (``--balance``): ``estimate`` from shapes, or ``measured`` op times; torch's stages are cut
+    where ours are."""
     torch_peers: bool = True
     """Whether torch's schedule runs after each of ours (``--without-torch``: ours alone, where a peer's failure on some
     ranks would break the process group for the rows after it)."""
@@ -268,7 +271,7 @@ def make_plans(settings: Settings) -> list[PlanPayload]:
         extra = SCHEDULES[name]
         plan = lnn.parallelize(
             model, batch, name, settings.stages, step="training_step", stages=settings.stages,
-            microbatches=settings.microbatches, **extra,
+            microbatches=settings.microbatches, balance=settings.balance, **extra,
         )
         assert plan.pipeline is not None, f"{name} plans carry a pipeline schedule"
         payload = payload_of(name, stages_per_rank(name), plan, settings.stages)
@@ -876,7 +879,7 @@ def run_vocabulary(quick: bool, steps: int | None) -> None:
     started = time.perf_counter()
     print(f"mBART-style vocab {settings.vocab}, hidden {settings.hidden}, {settings.encoder_layers}+{settings.decoder_layers} layers, "
           f"seq {settings.seq_len}, batch {settings.batch}; p = {settings.stages} gloo CPU ranks (1 thread each), m = {settings.microbatches}; "
-          f"{settings.warmup} warm-up + {settings.steps} timed steps; torch {torch.__version__}")
+          f"{settings.warmup} warm-up + {settings.steps} timed steps; stages cut by {settings.balance} cost; torch {torch.__version__}")
     model = build_model(settings)
     batch = example_batch(model, settings)
     payloads, schedules = [], {}
@@ -1056,12 +1059,14 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=None, help="GPT table: pipeline ranks p (default 4; 2 gives each rank a core of 2)")
     parser.add_argument("--rounds", type=int, default=None, help="GPT table: rounds of every schedule, ours then torch's (default 3; --quick 1)")
     parser.add_argument("--without-torch", action="store_true", help="GPT table: our schedules only")
+    parser.add_argument("--balance", choices=("estimate", "measured"), default="estimate",
+                        help="GPT table: price the stage cut by op work estimated from shapes, or by op times measured here")
     arguments = parser.parse_args()
     if arguments.only == "split":
         run_split(arguments.quick, arguments.compile)
     if arguments.only in (None, "gpt"):
         run_gpt(arguments.quick, arguments.steps, tuple(arguments.schedules.split(",")), arguments.ranks, arguments.rounds,
-                torch_peers=not arguments.without_torch)
+                torch_peers=not arguments.without_torch, balance=arguments.balance)
     if arguments.only in (None, "recycling"):
         run_recycling(arguments.quick, arguments.steps)
     if arguments.only in (None, "vocabulary"):
@@ -1069,13 +1074,13 @@ def main() -> None:
 
 
 def run_gpt(quick: bool, steps: int | None, schedules: tuple[str, ...] = tuple(SCHEDULES), ranks: int | None = None,
-            rounds: int | None = None, *, torch_peers: bool = True) -> None:
+            rounds: int | None = None, *, torch_peers: bool = True, balance: str = "estimate") -> None:
     """Plan, run the schedules on 4 gloo ranks, print the table, issue 38's comparisons and the 1F1B timeline."""
     unknown = set(schedules) - set(SCHEDULES)
     if unknown:
         raise SystemExit(f"unknown schedules {sorted(unknown)}; choose from {list(SCHEDULES)}")
     settings = Settings(hidden=64, vocab=128, seq_len=32, steps=2, warmup=1, rounds=1) if quick else Settings()
-    settings = dataclasses.replace(settings, schedules=schedules, stages=ranks or settings.stages, torch_peers=torch_peers)
+    settings = dataclasses.replace(settings, schedules=schedules, stages=ranks or settings.stages, torch_peers=torch_peers, balance=balance)
     if steps:
         settings = dataclasses.replace(settings, steps=steps)
     if rounds:
@@ -1083,7 +1088,7 @@ def run_gpt(quick: bool, steps: int | None, schedules: tuple[str, ...] = tuple(S
     started = time.perf_counter()
     print(f"GPT hidden {settings.hidden}, {settings.layers} layers, seq {settings.seq_len}, vocab {settings.vocab}, batch {settings.batch}; "
           f"p = {settings.stages} gloo CPU ranks (1 thread each), m = {settings.microbatches}; "
-          f"{settings.warmup} warm-up + {settings.steps} timed steps; torch {torch.__version__}")
+          f"{settings.warmup} warm-up + {settings.steps} timed steps; stages cut by {settings.balance} cost; torch {torch.__version__}")
     payloads = make_plans(settings)
     print(f"planned {len(payloads)} schedules in {time.perf_counter() - started:.1f} s")
     try:

@@ -35,6 +35,7 @@ from lightning_nnscaler.materialize.program import Compute, Program
 from lightning_nnscaler.materialize.steps import check_message_order, step_program
 from lightning_nnscaler.plans.context import PipelinePlan
 from lightning_nnscaler.plans.layout import RecipeLayout, single_replica
+from lightning_nnscaler.plans.stage_cuts import OpPrices
 from lightning_nnscaler.program import BUCKET_BYTES, Program as StepProgram
 from lightning_nnscaler.runtime.comm import Communicator
 from lightning_nnscaler.runtime.executor import RankExecutor, merge_gradients
@@ -251,7 +252,7 @@ def explain_pipeline(pipeline: PipelinePlan) -> str:
 def parallelize(
     module: nn.Module, example_args: Any, recipe: str = "dp", world_size: int = 1, *, step: str | None = None,
     batch_idx: int = 0, step_args: tuple = (), communication_cost: Any = None, allow_partial: bool = False, progress: Callable[[str], None] | None = None,
-    rank: int | None = None, bucket_bytes: int | None = None, **params: Any,
+    rank: int | None = None, bucket_bytes: int | None = None, measured_prices: OpPrices | None = None, **params: Any,
 ) -> Plan:
     """Trace ``module``, apply the catalog recipe ``recipe`` for ``world_size`` ranks, materialize
     and generate per-rank code.
@@ -281,11 +282,14 @@ def parallelize(
             ``plan.sources[r]`` is read (``codegen.sources``); None generates every rank's now.
         bucket_bytes: The size the gradient buckets are cut at (DDP's ``bucket_cap_mb``; None: 25 MiB). The buckets
             are part of the plan: the runtime sums them and the simulator prices them.
+        measured_prices: Each op's measured seconds for a pipeline's ``balance="measured"``; None times the ops on the
+            module's device when a recipe asks (``sim.profile.measured_prices``).
         **params: The recipe's parameters (checked against the catalog before anything runs).
     """
     from lightning_nnscaler.plans.catalog import apply_recipe
     from lightning_nnscaler.plans.coverage import check_coverage
     from lightning_nnscaler.plans.propagate import recording_refusals
+    from lightning_nnscaler.sim.profile import measured_prices as timed_on
 
     stage = _Stages(progress)
     with stage(f"tracing {type(module).__name__}.{step or 'forward'}"):
@@ -302,7 +306,8 @@ def parallelize(
     planned = graph.copy()
     with stage(f"planning {len(graph.ops)} ops with recipe {recipe} for {world_size} ranks"):
         with recording_refusals() as refusals, collector_paused():  # refusals: ops the recipe meant to split but could not
-            context = apply_recipe(planned, recipe, world_size, **params)
+            prices = measured_prices or timed_on(_device_of(module))
+            context = apply_recipe(planned, recipe, world_size, measured_prices=prices, **params)
             model_parallel = world_size // context.layout.data_parallel if context.layout is not None else 1
             check_coverage(planned, graph, world_size, recipe=recipe, allow_partial=allow_partial, refusals=refusals, model_parallel=model_parallel)
     if context.pipeline is not None:
@@ -349,6 +354,12 @@ def check_batch_rows(graph: Graph, recipe: str, world_size: int, params: dict[st
                 f"{'no' if rows < replicas else 'fewer'} rows. Give a batch of a multiple of {replicas} rows (under the Trainer, "
                 "the DataLoader's batch_size is per replica), or use fewer ranks or a recipe with fewer data-parallel replicas"
             )
+
+
+def _device_of(module: nn.Module) -> str:
+    """Where ``module``'s parameters are: ``cuda:<index>``, else ``cpu`` (also for a module on meta)."""
+    device = next((parameter.device for parameter in module.parameters()), torch.device("cpu"))
+    return str(device) if device.type == "cuda" else "cpu"
 
 
 def _plan_logged_values(

@@ -38,6 +38,7 @@ from lightning_nnscaler.ir.validate import validate_plan
 from lightning_nnscaler.plans.context import PlanContext
 from lightning_nnscaler.plans.layout import RecipeLayout, single_replica
 from lightning_nnscaler.plans.parameters import ParameterSpec, RecipeError, config_class, fields_of, parameter_specs, signature_config
+from lightning_nnscaler.plans.stage_cuts import OpPrices
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_]*")
@@ -215,8 +216,10 @@ def load_recipe(name: str, directory: Path | None = None) -> RecipeSpec:
     return _REGISTRY[name]
 
 
-def apply_recipe(graph: Graph, name: str, world_size: int, **params: Any) -> PlanContext:
+def apply_recipe(graph: Graph, name: str, world_size: int, *, measured_prices: OpPrices | None = None, **params: Any) -> PlanContext:
     """Plan ``graph`` in place with recipe ``name`` over ``world_size`` devices, then validate the plan.
+
+    ``measured_prices``: each op's measured seconds, for a pipeline recipe's ``balance="measured"`` (``PlanContext``).
 
     The parameters are checked before the graph is touched, and the recipe runs on a copy: when it
     raises, ``graph`` is left as it was.
@@ -232,7 +235,7 @@ def apply_recipe(graph: Graph, name: str, world_size: int, **params: Any) -> Pla
     spec = load_recipe(name)
     config = spec.build_config(params)  # user input becomes the typed config here, and only here
     layout = spec.layout(world_size, params)
-    ctx = PlanContext(world_size=world_size, layout=layout)
+    ctx = PlanContext(world_size=world_size, layout=layout, measured_prices=measured_prices)
     plan = graph.copy()
     spec.run(plan, ctx, config)
     validate_plan(plan, world_size)

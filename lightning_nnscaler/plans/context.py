@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_nnscaler.plans.layout import RecipeLayout
+from lightning_nnscaler.plans.stage_cuts import OpPrices
 from lightning_nnscaler.schedules import Action, Schedule
 
 ZERO_STAGES = (0, 1, 3)
@@ -38,6 +39,10 @@ class PlanContext:
     zero_stage: int = 0
     """ZeRO sharding over the data-parallel group, a runtime option a recipe may set: 0 = none,
     1 = optimizer state sharded, 3 = optimizer state and parameters sharded."""
+
+    measured_prices: OpPrices | None = None
+    """Each op's measured forward and backward seconds on the run's device, the same on every rank (``plan.parallelize``
+    measures them when a recipe asks, the strategy shares rank 0's): what ``balance="measured"`` cuts stages by."""
 
     pipeline: PipelinePlan | None = None
     """Set by pipelined recipes: the schedule that orders each rank's segments."""

@@ -41,7 +41,7 @@ from lightning_nnscaler.plans.pipeline_checks import (
 )
 from lightning_nnscaler.plans.propagate import propagate, replicate
 from lightning_nnscaler.plans.recompute import op_recompute
-from lightning_nnscaler.plans.stage_cuts import PROLOGUE_STAGE, StageCut, cut_stages, op_kinds
+from lightning_nnscaler.plans.stage_cuts import PROLOGUE_STAGE, OpPrices, StageCut, cut_stages, op_kinds
 from lightning_nnscaler.primitives import TransformError, op_assign, op_orders, op_trans
 from lightning_nnscaler.schedules import Schedule, gpipe, interlaced, interleaved, lower, one_f_one_b, three_f_one_b, validate, zb1
 from lightning_nnscaler.schedules.dual_pipe import dual_pipe_v
@@ -69,6 +69,9 @@ class PipelineSettings:
     layers_per_stage: Sequence[int] | None = None
     """How many of the model's layers each stage (each chunk) holds, instead of cuts balanced by cost
     (``stage_cuts.model_layers``)."""
+    balance: str = "estimate"
+    """What prices the cut: ``estimate`` (each op's work from its shapes, ``stage_cuts.op_cost``) or ``measured``
+    (each op's forward and backward timed on the run's device, ``PlanContext.measured_prices``)."""
     recompute_stages: Sequence[int] | None = None
     """Pipeline ranks whose activations are recomputed in backward (``recompute_segments``); for
     interleaved, every chunk of each named rank."""
@@ -118,6 +121,8 @@ SCHEDULE_RULES: dict[str, ScheduleRule] = {
     "dualpipev": ScheduleRule(lambda ranks, microbatches, _: dual_pipe_v(ranks, microbatches), stages_per_rank=2, microbatches_per_rank=2),
 }
 SCHEDULES = tuple(SCHEDULE_RULES)
+BALANCES = ("estimate", "measured")
+"""What a stage cut may be priced by (``PipelineSettings.balance``)."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +166,7 @@ def pipeline(graph: Graph, ctx: PlanContext, schedule: str, settings: PipelineSe
     chunks = rule.stages_per_rank(graph, settings) if callable(rule.stages_per_rank) else rule.stages_per_rank
     grid = _grid(ctx.world_size, settings)
     order, chunks = _order(graph, schedule, rule, settings, grid, chunks)
-    placement = Placement(grid, order, *_cut(graph, order, chunks, rule, settings))
+    placement = Placement(grid, order, *_cut(graph, order, chunks, rule, settings, _prices(schedule, settings, ctx)))
     coshard = {column: settings.shards for column in settings.coshard_stages or ()}
     choose = megatron_choice(graph) if settings.tp > 1 or coshard else None
     _place(graph, placement)
@@ -239,18 +244,38 @@ def _order(
     return order, chunks
 
 
+def _prices(schedule: str, settings: PipelineSettings, ctx: PlanContext) -> OpPrices | None:
+    """The prices the stage cut balances: None for the estimate from shapes, the context's measured ones for ``measured``.
+
+    Raises:
+        ValueError: an unknown ``balance``, ``measured`` with ``layers_per_stage`` or without measured prices.
+    """
+    if settings.balance not in BALANCES:
+        raise ValueError(f"{schedule}: balance must be one of {BALANCES}, got {settings.balance!r}")
+    if settings.balance == "estimate":
+        return None
+    if settings.layers_per_stage is not None:
+        raise ValueError(f"{schedule}: balance='measured' prices a cut by cost; layers_per_stage fixes the cut: give one of them")
+    if ctx.measured_prices is None:
+        raise ValueError(
+            f"{schedule}: balance='measured' needs op times measured on the run's device: plan with lightning_nnscaler.parallelize "
+            "or NnScalerStrategy (they measure them), or pass PlanContext(measured_prices=...)"
+        )
+    return ctx.measured_prices
+
+
 def _cut(
-    graph: Graph, order: Schedule, chunks: int, rule: ScheduleRule, settings: PipelineSettings,
+    graph: Graph, order: Schedule, chunks: int, rule: ScheduleRule, settings: PipelineSettings, prices: OpPrices | None,
 ) -> tuple[StageCut, SharedLayers | None]:
-    """Each op's stage (``chunks`` per rank); for shared vocabulary layers (interlaced), the layers split over every
-    rank, fixed to the input stage 0 and the output stage ``pp + 1`` around the ``pp`` cut ones."""
+    """Each op's stage (``chunks`` per rank) by ``prices``; for shared vocabulary layers (interlaced), the layers split over
+    every rank, fixed to the input stage 0 and the output stage ``pp + 1`` around the ``pp`` cut ones."""
     pp = len(order.actions)
     if not rule.shared_vocabulary:
-        return cut_stages(graph, pp * chunks, forward_only=order.forward_only, layers_per_stage=settings.layers_per_stage), None
+        return cut_stages(graph, pp * chunks, forward_only=order.forward_only, layers_per_stage=settings.layers_per_stage, prices=prices), None
     kinds = op_kinds(graph, list(graph.ops), {output.name: op for op in graph.ops for output in op.outputs})
     shared = vocabulary_parallel_losses(graph, gather_lookups(graph, find_shared_layers(graph, kinds, settings.shared_layers)))
     fixed = {name: 0 for name in shared.input_stage} | {name: pp + 1 for name in shared.output_stage}
-    return cut_stages(graph, pp, fixed=fixed, first=1), shared
+    return cut_stages(graph, pp, fixed=fixed, first=1, prices=prices), shared
 
 
 def _place(graph: Graph, placement: Placement) -> None:

@@ -26,6 +26,10 @@ class StagedConfig:
     microbatches: int | None = field(default=None, metadata=COUNT)
     """Microbatches per replica and step; null means the smallest divisor of the replica's batch that is at
     least stages (a multiple of stages, where a rank holds several stages and they run in groups)."""
+    balance: str = "estimate"
+    """What the stage cut balances: estimate (each op's work from its shapes: FLOPs of matmuls, elements otherwise) or
+    measured (each op's forward and backward timed on the run's device before planning, rank 0's times used by every
+    rank; cached per device); not with layers_per_stage."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +99,10 @@ class Hybrid3DConfig:
     """Pipeline stages per replica (2: the least that is a pipeline)."""
     microbatches: int | None = field(default=None, metadata=COUNT)
     """Microbatches per replica and step; null means the smallest divisor of the replica's batch that is at least pp."""
+    balance: str = "estimate"
+    """What the stage cut balances: estimate (each op's work from its shapes: FLOPs of matmuls, elements otherwise) or
+    measured (each op's forward and backward timed on the run's device before planning, rank 0's times used by every
+    rank; cached per device); not with layers_per_stage."""
     recompute_stages: tuple[int, ...] | None = field(default=None, metadata=STAGE_INDEX)
     """Stage indices (0 to pp - 1) whose activations are recomputed in backward, e.g. 0 (stage r stashes
     pp - r microbatches); each (stage, microbatch) segment is one checkpointed block on each of the stage's

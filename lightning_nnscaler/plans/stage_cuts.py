@@ -1,8 +1,9 @@
 """Stage cuts: which ops of a graph each pipeline stage holds (the op_assign of contiguous op ranges).
 
-The graph's ops are cut into stages of about equal estimated cost (FLOPs of linears, matmuls and
-attention; elements moved elsewhere), each cut placed where the fewest activation bytes cross it
-(between blocks: the residual stream), or by layers per stage. Ops that read no activation (a weight's
+The graph's ops are cut into stages of about equal cost, each cut placed where the fewest activation bytes
+cross it (between blocks: the residual stream), or by layers per stage. The cost of an op is estimated from
+its shapes (FLOPs of linears, matmuls and attention; elements moved elsewhere), or given by the caller:
+``OpPrices``, each op's measured forward and backward seconds (``balance="measured"``). Ops that read no activation (a weight's
 transpose, position embeddings) join the stage of their first reader; ops that need no gradient and
 read only the batch and constants (a loss's count of kept targets, masks) form the step's prologue.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lightning_nnscaler.ir.graph import Graph
@@ -21,6 +22,8 @@ from lightning_nnscaler.ir.tensor import dtype_bytes
 from lightning_nnscaler.ir.work import op_work
 
 PROLOGUE_STAGE = PROLOGUE[0]
+OpPrices = Callable[[Sequence[Op]], Sequence[float]]
+"""Each op's cost (seconds of its forward and backward), the same on every rank: what a stage cut balances."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ class StageCut:
 
 def cut_stages(
     graph: Graph, stages: int, forward_only: int = 0, fixed: dict[str, int] | None = None, first: int = 0,
-    layers_per_stage: Sequence[int] | None = None,
+    layers_per_stage: Sequence[int] | None = None, prices: OpPrices | None = None,
 ) -> StageCut:
     """Each op of ``graph`` (not yet split) -> its stage (``PROLOGUE_STAGE`` for the prologue).
 
@@ -76,7 +79,8 @@ def cut_stages(
     (``model_layers``) instead of an equal share of the cost.
 
     The ops of ``fixed`` keep their given stage; the other ops on the batch's path are cut into
-    ``stages`` stages numbered from ``first`` (the interlaced pipeline's shared layers are fixed).
+    ``stages`` stages numbered from ``first`` (the interlaced pipeline's shared layers are fixed), of about
+    equal ``prices`` (default: ``op_cost``, estimated from shapes).
 
     With ``forward_only`` > 0 (3F1B), the ops running under ``no_grad`` (the recycling passes, which
     must all come before the gradient pass) fill the first ``forward_only`` stages, the others the rest.
@@ -108,7 +112,10 @@ def cut_stages(
     else:
         parts = [(flowing, stages, first)]
     for part, count, start in parts:
-        cuts = _balanced_cuts(part, count) if layers_per_stage is None else _layer_cuts(graph, part, count, layers_per_stage)
+        if layers_per_stage is not None:
+            cuts = _layer_cuts(graph, part, count, layers_per_stage)
+        else:
+            cuts = _balanced_cuts(part, count, list(prices(part)) if prices is not None else [op_cost(op) for op in part])
         for index, op in enumerate(part):
             stage_of[op.name] = start + sum(index >= cut for cut in cuts)
     stage_of.update(fixed)
@@ -223,8 +230,8 @@ def op_cost(op: Op) -> float:
     return float(sum(math.prod(piece.shape) for piece in (*op.outputs, *op.tensor_inputs)))
 
 
-def _balanced_cuts(ops: Sequence[Op], stages: int) -> list[int]:
-    """``stages - 1`` cut indices into ``ops`` of near equal cost, at *light* places where possible.
+def _balanced_cuts(ops: Sequence[Op], stages: int, costs: Sequence[float]) -> list[int]:
+    """``stages - 1`` cut indices into ``ops`` of near equal ``costs`` (one per op), at *light* places where possible.
 
     Around each target ``k × total / stages`` (within half a stage's cost), a light place is one
     where at most 1.25 times the fewest bytes crossing there cross — between transformer blocks, the
@@ -232,7 +239,6 @@ def _balanced_cuts(ops: Sequence[Op], stages: int) -> list[int]:
     that near (one op outweighs a stage, e.g. a large vocabulary's head), it goes to the nearest place
     crossing at most 1.25 times the fewest bytes crossing anywhere inside the model (its middle 80 %).
     """
-    costs = [op_cost(op) for op in ops]
     prefix = [0.0]
     for cost in costs:
         prefix.append(prefix[-1] + cost)

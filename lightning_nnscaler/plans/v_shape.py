@@ -22,6 +22,10 @@ class VShapeConfig:
     microbatches: int | None = field(default=None, metadata=COUNT)
     """Microbatches per replica and step; null means the smallest divisor of the replica's batch that is at least
     what the schedule needs (stages; 2 x stages for dualpipev, one per model stage)."""
+    balance: str = "estimate"
+    """What the stage cut balances: estimate (each op's work from its shapes: FLOPs of matmuls, elements otherwise) or
+    measured (each op's forward and backward timed on the run's device before planning, rank 0's times used by every
+    rank; cached per device); not with layers_per_stage."""
     layers_per_stage: tuple[int, ...] | None = field(default=None, metadata=STAGE_INDEX)
     """Layer counts, one per model stage (2 per rank, in stage order 0 .. 2p-1), e.g. 2,2,2,2; a layer is a
     numbered module (blocks.3); embeddings join the first stage, heads the last; null cuts by cost."""

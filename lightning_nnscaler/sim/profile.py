@@ -17,7 +17,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +27,8 @@ from torch.profiler import ProfilerActivity, profile
 from lightning_nnscaler.ir import randomness  # noqa: F401 - registers torch.ops.lnn.random*
 from lightning_nnscaler.ir.op import Op, resolve_target
 from lightning_nnscaler.ir.tensor import VTensor
-from lightning_nnscaler.sim.costs import FLOATING, VIEWS, ComputeModel, OpTime, op_work
+from lightning_nnscaler.sim.costs import FLOATING, VIEWS, ComputeModel, OpTime, Roofline, op_work
+from lightning_nnscaler.sim.specs import load_spec, spec_for_device
 
 
 def cache_directory() -> Path:
@@ -204,3 +205,23 @@ class Profiled:
                 return self.fallback.op_time(op)
             entry = self.database.entries[key] = (measured.forward, measured.backward)
         return OpTime(*entry) if entry is not None else self.fallback.op_time(op)
+
+
+def measured_prices(device: str = "cpu") -> Callable[[Sequence[Op]], list[float]]:
+    """A pricing of ops by their forward plus backward seconds measured alone on ``device`` (``Profiled``, cached per
+    device; ops that cannot run alone priced by the device's shipped spec's roofline): a pipeline's
+    ``balance="measured"`` cuts stages of equal measured time by it.
+
+    Each distinct op is timed once (the fastest of its repeats: other processes only ever add time).
+    """
+
+    def prices(ops: Sequence[Op]) -> list[float]:
+        name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
+        profiled = Profiled(ProfileDB.open(device), Roofline(load_spec(spec_for_device(name)[0])), device, statistic=min)
+        seconds = [profiled.op_time(op) for op in ops]
+        if profiled.misses:
+            with contextlib.suppress(OSError):  # a read-only cache directory still prices the ops
+                profiled.database.save()
+        return [op_seconds.forward + op_seconds.backward for op_seconds in seconds]
+
+    return prices

@@ -237,9 +237,11 @@ class NnScalerStrategy(ParallelStrategy):
         self._locations: dict[int, PieceLocation] = {}
         self._module_is_stale = False
         self._evaluation_plans: dict[tuple, Optional[list[EvaluationPlan]]] = {}
+        """Evaluation steps' plans by ``EvaluationCall.key``; None where the step runs on the full module."""
         self._unplanned: dict[tuple, str] = {}
         """Why each evaluation step (by ``EvaluationCall.key``) runs on the full module."""
         self._init_records: list[InitRecord] = []
+        """What ``tensor_init_context`` recorded: the initial values of the module's meta tensors."""
         self._pending_pieces: Optional[str] = None
         """A sharded checkpoint to read this rank's slices of once the plan says which (a module built on meta)."""
         self._checkpoint_bytes_read = 0
@@ -247,13 +249,13 @@ class NnScalerStrategy(ParallelStrategy):
         self.compile_context: Any = None
         """The ``torch.compile`` context of a compiled module the user passed (its steps are planned uncompiled, and
         its segments compiled with it unless ``compile=True`` gave options)."""
-        """What ``tensor_init_context`` recorded: the initial values of the module's meta tensors."""
-        """Evaluation steps' plans by ``EvaluationCall.key``; None where the step runs on the full module."""
         self._layout: Optional[RecipeLayout] = None
         self.predicted_step: Optional[PredictedStep] = None
         """Rank 0: the simulated step of the first plan (``step_timing.predict_step``; None if it failed)."""
         self.step_timer: Optional[StepTimer] = None
         """Rank 0: this fit's optimizer step times (``step_timing.StepTimer``); its median is logged at the end."""
+        self._op_prices: dict[str, float] = {}
+        """The op times ``balance="measured"`` cut the stages by, by op name (rank 0's, on every rank): later plans reuse them."""
 
     @property
     def bytes_read(self) -> int:
@@ -520,6 +522,7 @@ class NnScalerStrategy(ParallelStrategy):
             plan = plan_training_step(
                 module, batch, self.recipe, self.recipe_params, world_size, self._all_gather_objects, allow_partial=self.allow_partial,
                 batch_idx=batch_idx, bucket_bytes=None if self.bucket_cap_mb is None else int(self.bucket_cap_mb * 2**20),
+                known_prices=self._op_prices,
             )
         code = module_from_source(plan.sources[rank], f"nnscaler_rank{rank}_{plan.plan_hash[:12]}")
         if not first:
@@ -684,13 +687,12 @@ class NnScalerStrategy(ParallelStrategy):
 
     @override
     def on_validation_start(self) -> None:
-        """Keep the full module current for the loop's hooks (the steps run through the plan, ``strategy.evaluation``)."""
+        """Keep the full module current for the loop's hooks (the steps run through the plan, ``strategy.evaluation``);
+        also ``on_test_start``, and ``on_predict_start`` (predict with the current weights, refreshed from the pieces)."""
         self._start_evaluation()
 
-    @override
-    def on_test_start(self) -> None:
-        """Keep the full module current for the loop's hooks (the steps run through the plan, ``strategy.evaluation``)."""
-        self._start_evaluation()
+    on_test_start = on_validation_start  # the same refresh before testing
+    on_predict_start = on_validation_start  # and before predicting
 
     def _start_evaluation(self) -> None:
         """Refresh the full module; outside a fit, drop the last step's gradients no one can read (``strategy.evaluation``)."""
@@ -789,6 +791,7 @@ class NnScalerStrategy(ParallelStrategy):
                 plan = plan_training_step(
                     self.lightning_module, call.batch, self.recipe, self.recipe_params, self.world_size, self._all_gather_objects,
                     allow_partial=self.allow_partial, batch_idx=call.batch_idx, step=call.step, step_args=call.extra,
+                    known_prices=self._op_prices,
                 )
             prediction = planned_prediction(plan, prediction) if prediction is not None else None
             held = EvaluationPlan(plan, self._evaluation_executor(plan), prediction)
@@ -821,11 +824,6 @@ class NnScalerStrategy(ParallelStrategy):
         if self._pending_pieces is not None:  # evaluating a checkpoint of a module built on meta
             self._checkpoint_bytes_read += restore_pieces(self._pending_pieces, module, executor, None, {})
         return executor
-
-    @override
-    def on_predict_start(self) -> None:
-        """Predict with the current weights: refresh the full module from the pieces."""
-        self._start_evaluation()
 
     @override
     def on_train_start(self) -> None:

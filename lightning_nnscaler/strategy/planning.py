@@ -10,6 +10,7 @@ its state and the gradient buckets stay those of the first plan."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any, Callable
 from types import ModuleType
 
@@ -25,7 +26,10 @@ from lightning_nnscaler.ir.randomness import RANDOM_LIKE_OP, RANDOM_OP
 from lightning_nnscaler.ir.validate import PlanError
 from lightning_nnscaler.plan import GlobalMeanWarning, Plan, parallelize, warn_means_over_kept_targets
 from lightning_nnscaler.plans.catalog import RecipeError, load_recipe
+from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.plans.layout import RecipeLayout
+from lightning_nnscaler.plans.stage_cuts import OpPrices
+from lightning_nnscaler.sim.profile import measured_prices
 from lightning_nnscaler.runtime.executor import RankExecutor
 
 MAX_PLANS = 8  # distinct batch shapes per fit: each costs a trace and a plan (seconds) and a module
@@ -59,7 +63,7 @@ def _usage_example(recipe: str) -> str:
 def plan_training_step(
     module: LightningModule, batch: Any, recipe: str, params: dict[str, Any], world_size: int,
     gather: Callable[[Any], list[Any]], *, allow_partial: bool = False, batch_idx: int = 0, step: str = "training_step",
-    step_args: tuple = (), bucket_bytes: int | None = None,
+    step_args: tuple = (), bucket_bytes: int | None = None, known_prices: dict[str, float] | None = None,
 ) -> Plan:
     """Trace ``module.training_step`` (or the evaluation ``step``, called with ``step_args`` after ``batch_idx``) on the whole batch of ``batch``'s shapes and plan it with ``recipe``
     for ``world_size`` ranks.
@@ -80,7 +84,8 @@ def plan_training_step(
                 warnings.simplefilter("ignore", GlobalMeanWarning)
             plan = parallelize(
                 module, whole_batch(batch, replicas), recipe, world_size, step=step, batch_idx=batch_idx, step_args=step_args,
-                allow_partial=allow_partial, progress=rank_zero_info, rank=module.global_rank, bucket_bytes=bucket_bytes, **params,
+                allow_partial=allow_partial, progress=rank_zero_info, rank=module.global_rank, bucket_bytes=bucket_bytes,
+                measured_prices=rank_zero_prices(module, gather, {} if known_prices is None else known_prices), **params,
             )
     except Exception as error:  # noqa: BLE001 - every planning failure gets the recipe and the fix
         hint = (
@@ -99,6 +104,31 @@ def plan_training_step(
             "data on every rank."
         )
     return plan
+
+
+def rank_zero_prices(module: LightningModule, gather: Callable[[Any], list[Any]], known: dict[str, float]) -> OpPrices:
+    """Op prices for ``balance="measured"``: rank 0 times the ops on its device and every rank cuts its stages by rank 0's
+    times (each rank's own would differ, and so would their plans). An op named in ``known`` (what an earlier plan of the
+    fit measured, by op name) keeps its price, so that a batch of other rows or an evaluation step cuts the stages where
+    training did. Called by every rank alike (planning is the same on every rank); a failure on rank 0 reaches every
+    rank as an error, not a hang."""
+    device = str(module.device) if module.device.type == "cuda" else "cpu"
+
+    def prices(ops: Sequence[Op]) -> list[float]:
+        new = [op for op in ops if op.name not in known]
+        measured, failure = None, None
+        if module.global_rank == 0 and new:
+            try:
+                measured = list(measured_prices(device)(new))
+            except Exception as error:  # noqa: BLE001 - told to every rank below
+                failure = f"{type(error).__name__}: {error}"
+        measured, failure = gather((measured, failure))[0]
+        if failure is not None:
+            raise RuntimeError(f"balance='measured': rank 0 could not time the model's ops: {failure}")
+        known.update(zip((op.name for op in new), measured or (), strict=True))
+        return [known[op.name] for op in ops]
+
+    return prices
 
 
 MAX_STEP_VARIANTS = 8

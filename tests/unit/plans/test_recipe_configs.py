@@ -80,7 +80,10 @@ def test_a_built_in_config_is_frozen_keyword_only_and_documented(name: str) -> N
 def test_the_cli_listing_reads_the_config_fields() -> None:
     catalog = {spec.name: recipe_line(spec) for spec in list_recipes() if spec.origin != "register_recipe"}
     assert {summary.name: recipe_line(summary) for summary in built_in_summaries()} == catalog
-    assert "[stages: int | None = None, microbatches: int | None = None, layers_per_stage: tuple[int, ...] | None = None," in catalog["1f1b"]
+    assert (
+        "[stages: int | None = None, microbatches: int | None = None, balance: str = 'estimate', "
+        "layers_per_stage: tuple[int, ...] | None = None," in catalog["1f1b"]
+    )
     assert "hybrid     " in catalog["hybrid"] and "[dp: int (required), tp: int (required)]" in catalog["hybrid"]
 
 
@@ -101,7 +104,7 @@ def test_a_plan_from_a_list_is_the_plan_from_its_comma_string(gpt) -> None:
     ("params", "message"),
     [
         ({"stage": 2}, r"recipe '1f1b': unknown parameter 'stage'; its parameters are: stages \(int\), microbatches \(int\), "
-                       r"layers_per_stage \(tuple\[int, \.\.\.\]\), recompute_stages"),
+                       r"balance \(str\), layers_per_stage \(tuple\[int, \.\.\.\]\), recompute_stages"),
         ({"stages": "2"}, r"recipe '1f1b': parameter 'stages' expects int, got str '2'"),
         ({"layers_per_stage": "3;3"}, r"recipe '1f1b': parameter 'layers_per_stage' expects tuple\[int, \.\.\.\]: a list such as "
                                       r"\[3, 3, 2\] or a comma-separated string such as '3,3,2', got str '3;3'"),
