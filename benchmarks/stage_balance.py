@@ -3,7 +3,8 @@
 For each model and stage count, the stages are cut twice (``plans.stage_cuts.cut_stages``): by the estimate from
 shapes (``balance="estimate"``) and by each op's forward and backward time measured alone on this CPU (one
 thread; ``balance="measured"``, ``sim.profile.measured_prices``). Both cuts are then priced by the measured times of
-the ops they cut (those on the batch's path; the prologue and the weights-only views are left out): each stage's seconds, and the slowest stage over the mean (1.0 is an even cut; the slowest stage sets a
+the ops they cut (those on the batch's path; the prologue and the weights-only views are left out): each stage's
+seconds, and the slowest stage over the mean (1.0 is an even cut; the slowest stage sets a
 pipeline's pace). The last column is the least that ratio can be with cuts at the places the balancer may use
 (where at most 1.25 times the fewest bytes inside the model cross: between blocks and around each residual add),
 found by a minimax search over those places: what no balancer of whole sub-layers can beat.
@@ -66,7 +67,8 @@ def main() -> None:
                     seconds[stage_of[op.name]] += cost
                 mean = sum(seconds) / stages
                 row = " ".join(f"{1e3 * value:.1f}" for value in seconds)
-                print(f"{name:18} {stages:>6} {balance:9} {row:40} {max(seconds) / mean:>12.3f} {bound / (sum(flowing_costs) / stages):>14.3f}")
+                least = bound / (sum(flowing_costs) / stages)
+                print(f"{name:18} {stages:>6} {balance:9} {row:40} {max(seconds) / mean:>12.3f} {least:>14.3f}")
 
 
 if __name__ == "__main__":

@@ -246,7 +246,19 @@ def explain_pipeline(pipeline: PipelinePlan) -> str:
             f"\nshared stages {' and '.join(map(str, shared))} (interlaced): every position runs its vocabulary slice of them "
             "at the same step, the rows where all columns show the same action"
         )
-    return header + "\n" + grid(schedule, timeline)
+    return header + _stage_work(pipeline) + "\n" + grid(schedule, timeline)
+
+
+def _stage_work(pipeline: PipelinePlan) -> str:
+    """A line with each cut stage's share of the work its cut balanced, and the slowest stage against the mean."""
+    if not pipeline.stage_work:
+        return ""
+    shares = [share for _, share in pipeline.stage_work]
+    priced = "op times measured on the device" if pipeline.priced_by == "measured" else "work estimated from shapes"
+    return (
+        f"\nstage work ({priced}): " + " / ".join(f"{stage}: {share:.3f}" for stage, share in pipeline.stage_work)
+        + f"; the slowest stage {max(shares) * len(shares) / sum(shares):.2f}x the mean (it sets the pipeline's pace)"
+    )
 
 
 def parallelize(

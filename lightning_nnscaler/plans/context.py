@@ -20,6 +20,10 @@ class PipelinePlan:
     """Compute actions per pipeline position (``schedule.actions[column]``); stage ``s`` on column ``schedule.stage_ranks[s]``."""
     column_of_rank: tuple[int, ...]
     """Each rank's pipeline position (its ``pp`` coordinate): the schedule list it runs."""
+    stage_work: tuple[tuple[int, float], ...] = ()
+    """``(stage, share)`` of the work the stage cut balanced, per cut stage (``explain``); empty where the recipe did not say."""
+    priced_by: str = "estimate"
+    """What priced ``stage_work``: ``estimate`` (from shapes) or ``measured`` (op times on the run's device)."""
 
     def actions(self, rank: int) -> tuple[Action, ...]:
         """The compute actions ``rank`` runs, in order."""

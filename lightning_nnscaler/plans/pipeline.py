@@ -174,7 +174,12 @@ def pipeline(graph: Graph, ctx: PlanContext, schedule: str, settings: PipelineSe
         _split_stages(graph, settings.tp, grid, order, choose, coshard)
     if settings.recompute_stages:
         recompute_segments(graph, order, settings.recompute_stages)
-    ctx.pipeline = PipelinePlan(order, tuple(grid.coordinate(rank, "pp") for rank in range(ctx.world_size)))
+    total = sum(work for _, work in placement.cut.work) or 1.0
+    ctx.pipeline = PipelinePlan(
+        order, tuple(grid.coordinate(rank, "pp") for rank in range(ctx.world_size)),
+        tuple((stage, work / total) for stage, work in placement.cut.work),
+        settings.balance if settings.layers_per_stage is None else "estimate",
+    )
     order_forwards(graph, ctx.pipeline)
 
 

@@ -32,6 +32,8 @@ class StageCut:
 
     stage_of: dict[str, int]
     readers: dict[str, list[str]]
+    work: tuple[tuple[int, float], ...] = ()
+    """``(stage, cost)`` of each cut stage: the prices it was cut by (the estimate where it was cut by layers)."""
 
     def first_reader_stage(self, name: str) -> int:
         """Where the prologue op ``name`` runs: the first stage that reads its outputs, through prologue ops.
@@ -111,20 +113,20 @@ def cut_stages(
         parts = [(recycling, forward_only, 0), (gradient, stages - forward_only, forward_only)]
     else:
         parts = [(flowing, stages, first)]
+    work: dict[int, float] = {}
     for part, count, start in parts:
-        if layers_per_stage is not None:
-            cuts = _layer_cuts(graph, part, count, layers_per_stage)
-        else:
-            cuts = _balanced_cuts(part, count, list(prices(part)) if prices is not None else [op_cost(op) for op in part])
-        for index, op in enumerate(part):
+        costs = list(prices(part)) if prices is not None and layers_per_stage is None else [op_cost(op) for op in part]
+        cuts = _layer_cuts(graph, part, count, layers_per_stage) if layers_per_stage is not None else _balanced_cuts(part, count, costs)
+        for index, (op, cost) in enumerate(zip(part, costs, strict=True)):
             stage_of[op.name] = start + sum(index >= cut for cut in cuts)
+            work[stage_of[op.name]] = work.get(stage_of[op.name], 0.0) + cost
     stage_of.update(fixed)
     for op in reversed(ops):  # weights-only ops join their first reader's stage
         if kind[op.name] == "weights":
             stage_of[op.name] = min((stage_of[reader] for reader in readers.get(op.name, []) if stage_of.get(reader, -1) >= 0), default=0)
         elif kind[op.name] == "prologue":
             stage_of[op.name] = PROLOGUE_STAGE
-    return StageCut(stage_of, readers)
+    return StageCut(stage_of, readers, tuple((stage, work.get(stage, 0.0)) for stage in range(first, first + stages)))
 
 
 _LAYER = re.compile(r"^(.*\.\d+)\.")

@@ -110,3 +110,29 @@ def test_every_rank_cuts_by_rank_zeros_times_and_later_plans_keep_them(tmp_path,
     assert rank_zero_prices(rank1, lambda value: [(None, None), value], known1)(ops) == prices0  # nothing new to time
     with pytest.raises(RuntimeError, match="rank 0 could not time the model's ops: OSError: disk gone"):
         rank_zero_prices(rank1, lambda value: [(None, "OSError: disk gone"), value], {})(ops)
+
+
+def test_explain_shows_each_stages_share_of_the_work_its_cut_balanced() -> None:
+    model, batch = gpt_and_batch()
+    estimate = lnn.parallelize(model, batch, "1f1b", 2, step="training_step", microbatches=2)
+    measured = lnn.parallelize(
+        model, batch, "1f1b", 2, step="training_step", microbatches=2, balance="measured", measured_prices=heavy_loss
+    )
+    for plan, priced in ((estimate, "work estimated from shapes"), (measured, "op times measured on the device")):
+        line = next(line for line in plan.explain().splitlines() if line.startswith("stage work"))
+        shares = [share for _, share in plan.pipeline.stage_work]
+        assert line.startswith(f"stage work ({priced}): 0: {shares[0]:.3f} / 1: {shares[1]:.3f}; the slowest stage "), line
+        assert sum(shares) == pytest.approx(1.0) and f"{2 * max(shares):.2f}x the mean" in line
+    graph = lnn.trace(model, batch, step="training_step")
+    priced = stage_prices(graph, cut_stages(graph, 2, prices=heavy_loss).stage_of, 2, heavy_loss)
+    expected = [cost / sum(priced) for cost in priced]  # the helper also counts the weights-only ops the cut does not price
+    assert [share for _, share in measured.pipeline.stage_work] == pytest.approx(expected, rel=1e-3)
+
+
+def test_an_interlaced_pipeline_reports_its_cut_stages_by_number() -> None:
+    from lightning_nnscaler.models.mbart import MBart, MBartConfig
+
+    torch.manual_seed(0)
+    model = MBart(MBartConfig.small())
+    plan = lnn.parallelize(model, model.example_batch(4, torch.Generator().manual_seed(0)), "interlaced", 2, step="training_step")
+    assert [stage for stage, _ in plan.pipeline.stage_work] == [1, 2]  # stages 0 and 3 are the shared vocabulary layers
