@@ -26,6 +26,7 @@ and ``plans.v_shape``; its checks in ``plans.pipeline_checks``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass
 
 from lightning_nnscaler.ir.graph import Graph
@@ -43,9 +44,9 @@ from lightning_nnscaler.plans.propagate import propagate, replicate
 from lightning_nnscaler.plans.recompute import op_recompute
 from lightning_nnscaler.plans.stage_cuts import PROLOGUE_STAGE, OpPrices, StageCut, cut_stages, op_kinds
 from lightning_nnscaler.primitives import TransformError, op_assign, op_orders, op_trans
-from lightning_nnscaler.schedules import Schedule, gpipe, interlaced, interleaved, lower, one_f_one_b, three_f_one_b, validate, zb1
+from lightning_nnscaler.schedules import Action, Kind, Schedule, gpipe, interlaced, interleaved, lower, one_f_one_b, three_f_one_b, validate, zb1
 from lightning_nnscaler.schedules.dual_pipe import dual_pipe_v
-from lightning_nnscaler.schedules.v_shape import v_half, zbv
+from lightning_nnscaler.schedules.v_shape import Cost, v_half, zbv
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +104,9 @@ class ScheduleRule:
     stages, nor interlaced's shared ones)."""
     shared_vocabulary: bool = False
     """Whether the vocabulary layers are shared stages run by every rank (interlaced, ``plans.interlaced``)."""
+    timed: Callable[[int, int, Cost], Schedule] | None = None
+    """``timed(ranks, microbatches, cost)``: the order made in the cut stages' time (``stage_cost``), where the
+    generator can use it (the V schedules)."""
 
 
 SCHEDULE_RULES: dict[str, ScheduleRule] = {
@@ -116,8 +120,8 @@ SCHEDULE_RULES: dict[str, ScheduleRule] = {
     "3f1b": ScheduleRule(three_f_one_b, stages_per_rank=lambda graph, settings: count_recycles(graph), own_stages=False),
     "interlaced": ScheduleRule(lambda ranks, microbatches, _: interlaced(ranks, microbatches), own_stages=False, shared_vocabulary=True),
     # the V (schedules.v_shape): rank r holds stages r and 2p - 1 - r, placed by the order's stage_ranks
-    "zbv": ScheduleRule(lambda ranks, microbatches, _: zbv(ranks, microbatches), stages_per_rank=2),
-    "vhalf": ScheduleRule(lambda ranks, microbatches, _: v_half(ranks, microbatches), stages_per_rank=2),
+    "zbv": ScheduleRule(lambda ranks, microbatches, _: zbv(ranks, microbatches), stages_per_rank=2, timed=zbv),
+    "vhalf": ScheduleRule(lambda ranks, microbatches, _: v_half(ranks, microbatches), stages_per_rank=2, timed=v_half),
     "dualpipev": ScheduleRule(lambda ranks, microbatches, _: dual_pipe_v(ranks, microbatches), stages_per_rank=2, microbatches_per_rank=2),
 }
 SCHEDULES = tuple(SCHEDULE_RULES)
@@ -166,7 +170,8 @@ def pipeline(graph: Graph, ctx: PlanContext, schedule: str, settings: PipelineSe
     chunks = rule.stages_per_rank(graph, settings) if callable(rule.stages_per_rank) else rule.stages_per_rank
     grid = _grid(ctx.world_size, settings)
     order, chunks = _order(graph, schedule, rule, settings, grid, chunks)
-    placement = Placement(grid, order, *_cut(graph, order, chunks, rule, settings, _prices(schedule, settings, ctx)))
+    placement = _timed(rule, settings, Placement(grid, order, *_cut(graph, order, chunks, rule, settings, _prices(schedule, settings, ctx))))
+    order = placement.order
     coshard = {column: settings.shards for column in settings.coshard_stages or ()}
     choose = megatron_choice(graph) if settings.tp > 1 or coshard else None
     _place(graph, placement)
@@ -174,10 +179,8 @@ def pipeline(graph: Graph, ctx: PlanContext, schedule: str, settings: PipelineSe
         _split_stages(graph, settings.tp, grid, order, choose, coshard)
     if settings.recompute_stages:
         recompute_segments(graph, order, settings.recompute_stages)
-    total = sum(work for _, work in placement.cut.work) or 1.0
     ctx.pipeline = PipelinePlan(
-        order, tuple(grid.coordinate(rank, "pp") for rank in range(ctx.world_size)),
-        tuple((stage, work / total) for stage, work in placement.cut.work),
+        order, tuple(grid.coordinate(rank, "pp") for rank in range(ctx.world_size)), _shares(placement.cut),
         settings.balance if settings.layers_per_stage is None else "estimate",
     )
     order_forwards(graph, ctx.pipeline)
@@ -281,6 +284,36 @@ def _cut(
     shared = vocabulary_parallel_losses(graph, gather_lookups(graph, find_shared_layers(graph, kinds, settings.shared_layers)))
     fixed = {name: 0 for name in shared.input_stage} | {name: pp + 1 for name in shared.output_stage}
     return cut_stages(graph, pp, fixed=fixed, first=1, prices=prices), shared
+
+
+def _timed(rule: ScheduleRule, settings: PipelineSettings, placement: Placement) -> Placement:
+    """The placement with its order made again in its cut stages' time, where the rule's generator can (not for an
+    imported table)."""
+    if rule.timed is None or settings.schedule_csv is not None or not placement.cut.work:
+        return placement
+    order = rule.timed(placement.pp, placement.order.microbatches, stage_cost(_shares(placement.cut)))
+    validate(lower(order))
+    return dataclasses.replace(placement, order=order)
+
+
+def _shares(cut: StageCut) -> tuple[tuple[int, float], ...]:
+    """Each cut stage's share of the work it was cut by (``PipelinePlan.stage_work``)."""
+    total = sum(work for _, work in cut.work) or 1.0
+    return tuple((stage, work / total) for stage, work in cut.work)
+
+
+def stage_cost(work: Sequence[tuple[int, float]]) -> Cost:
+    """Each compute action's duration from its stage's share of the cut's work: F, B and W a third each, except on
+    stage 0, whose inputs come from the batch and need no gradient: its B is empty and its W the whole backward."""
+    shares = dict(work)
+
+    def cost(action: Action) -> float:
+        third = shares.get(action.stage, 0.0) / 3
+        if action.stage == 0 and action.kind is not Kind.FORWARD:
+            return 2 * third if action.kind is Kind.WEIGHT else 0.0
+        return third
+
+    return cost
 
 
 def _place(graph: Graph, placement: Placement) -> None:

@@ -6,36 +6,64 @@ layers of a 1F1B stage each, and the backward of a microbatch finishes where its
 backward is split (``B`` input gradients, ``W`` weight gradients, as ``zb1``); a stage's activations are
 held from its ``F`` to its ``W``, as ``metrics.peak_in_flight`` counts them.
 
-Both generators list-schedule in unit time (F = B = W = 1, the ``metrics.Durations`` defaults): at each
-step every idle rank runs the first ready action in its priority order; a first-chunk forward (a new
-microbatch entering the rank) waits while the rank's stash, plus one slot reserved for the second-chunk
-forward of each microbatch still on its way back, would exceed the memory limit. Their only difference is
-that limit and the priorities.
+Both generators list-schedule: at each moment every idle rank runs the first ready action in its
+priority order; a first-chunk forward (a new microbatch entering the rank) waits while the rank's stash,
+plus one slot reserved for the second-chunk forward of each microbatch still on its way back, would
+exceed the memory limit. Their only difference is that limit. In unit time (F = B = W = 1, the
+``metrics.Durations`` defaults) the priority is the paper's, B before F before W. Given each action's
+``cost`` (a plan's stage costs: the first stage has no input gradients, so its B is empty and its W the
+whole backward), they schedule in that time and keep the priority order whose step ends soonest, the
+unit-time order among them, so that no order they return ends later under ``cost`` than the unit-time one.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
 from collections import defaultdict, deque
+from collections.abc import Callable
 
 from lightning_nnscaler.schedules.actions import B, F, W, Action, Kind, Schedule, require_positive
+from lightning_nnscaler.schedules.validate import execute
+
+Cost = Callable[[Action], float]
+"""The duration of a compute action (stage, microbatch, kind) in any time unit."""
+PAPER_PRIORITY = (B, F, W)
 
 
-def zbv(ranks: int, microbatches: int) -> Schedule:
+def zbv(ranks: int, microbatches: int, cost: Cost | None = None) -> Schedule:
     """ZB-V (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", §6; Qi et al. 2024, "Pipeline Parallelism
     with Controllable Memory", arXiv 2405.15362, V-ZB): at most 2p stage activations per rank, i.e. 1F1B's
-    peak of p full stages, and B before F before W so the W's fill what would be bubbles."""
-    return _v_schedule(ranks, microbatches, limit=2 * ranks, priority=(B, F, W))
+    peak of p full stages, and B before F before W so the W's fill what would be bubbles (with ``cost``: see the
+    module docstring)."""
+    return _timed(ranks, microbatches, 2 * ranks, cost)
 
 
-def v_half(ranks: int, microbatches: int) -> Schedule:
+def v_half(ranks: int, microbatches: int, cost: Cost | None = None) -> Schedule:
     """V-Half (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", arXiv 2405.15362, §4): at
     most p stage activations per rank (half-size stages: half of 1F1B's peak). The tight limit costs bubble:
-    this greedy order idles about a third of the step (1F1B: (p - 1) / (m + p - 1))."""
-    return _v_schedule(ranks, microbatches, limit=max(ranks, 2), priority=(B, F, W))
+    this greedy order idles about a third of the step (1F1B: (p - 1) / (m + p - 1)). With ``cost``: see the
+    module docstring."""
+    return _timed(ranks, microbatches, max(ranks, 2), cost)
 
 
-def _v_schedule(ranks: int, microbatches: int, *, limit: int, priority: tuple[Kind, ...]) -> Schedule:
-    """Unit-time list scheduling of the V placement (see the module docstring); compute-only actions."""
+def _timed(ranks: int, microbatches: int, limit: int, cost: Cost | None) -> Schedule:
+    """The unit-time schedule, or with ``cost`` the soonest-ending of it and the schedules made in that time."""
+    unit = _v_schedule(ranks, microbatches, limit=limit, priority=PAPER_PRIORITY)
+    if cost is None:
+        return unit
+    made = [unit]
+    for order in itertools.permutations((B, F, W)):
+        try:
+            made.append(_v_schedule(ranks, microbatches, limit=limit, priority=order, cost=cost))
+        except _Stuck:  # an order under which the memory limit holds every rank (the paper's never does)
+            continue
+    return min(made, key=lambda schedule: execute(schedule, lambda action: cost(action) if action.kind.is_compute else 0.0).makespan)
+
+
+def _v_schedule(ranks: int, microbatches: int, *, limit: int, priority: tuple[Kind, ...], cost: Cost | None = None) -> Schedule:
+    """List scheduling of the V placement in ``cost``'s time (default: unit time; see the module docstring); compute-only actions."""
     require_positive(ranks=ranks, microbatches=microbatches)
     stages = 2 * ranks
     stage_ranks = tuple(min(stage, stages - 1 - stage) for stage in range(stages))
@@ -44,39 +72,52 @@ def _v_schedule(ranks: int, microbatches: int, *, limit: int, priority: tuple[Ki
     actions: list[list[Action]] = [[] for _ in range(ranks)]
     channels: dict[tuple[int, int], deque] = defaultdict(deque)  # (sender, receiver) -> the actions awaiting, in send order
 
-    def ready(kind: Kind, stage: int, microbatch: int, time: int) -> bool:
+    def ready(kind: Kind, stage: int, microbatch: int, time: float) -> bool:
         needs = {F: [(F, stage - 1)] if stage else [], B: [(F, stage)] + ([(B, stage + 1)] if stage < stages - 1 else []),
                  W: [(B, stage)]}[kind]
         sender = _sender(kind, stage, stage_ranks)
         in_order = sender is None or list(channels[sender, stage_ranks[stage]])[:1] == [(kind, stage, microbatch)]
-        return microbatch < microbatches and in_order and all(done.get((need, at, microbatch), time + 1) <= time for need, at in needs)
+        return microbatch < microbatches and in_order and all(done.get((need, at, microbatch), math.inf) <= time for need, at in needs)
 
     def fits(rank: int) -> bool:  # a new microbatch on the rank's first chunk, with its return slot reserved
         first, second = rank, stages - 1 - rank
         held = sum(following[F, stage] - following[W, stage] for stage in (first, second))
         return held + (following[F, first] - following[F, second]) + 2 <= limit
 
-    time, total = 0, 3 * stages * microbatches
+    duration = cost or (lambda action: 1.0)
+    busy_until = [0.0] * ranks
+    endings: list[float] = []  # the end times of the actions running or run (a heap)
+    time, total = 0.0, 3 * stages * microbatches
     while len(done) < total:
-        if time > 4 * total:
-            raise RuntimeError(f"V schedule for ranks={ranks}, microbatches={microbatches} made no progress (limit {limit})")
         for rank in range(ranks):
+            if busy_until[rank] > time:
+                continue
             for kind in priority:
                 # the second chunk first: it finishes microbatches (forward) and is the earlier backward
                 candidates = [(kind, stage, following[kind, stage]) for stage in (stages - 1 - rank, rank)]
                 chosen = next((c for c in candidates if ready(*c, time) and (kind is not F or c[1] != rank or fits(rank))), None)
                 if chosen is not None:
-                    done[chosen] = time + 1
+                    action = Action(chosen[1], chosen[2], kind)
+                    done[chosen] = busy_until[rank] = time + duration(action)
+                    heapq.heappush(endings, done[chosen])
                     if _sender(kind, chosen[1], stage_ranks) is not None:
                         channels[_sender(kind, chosen[1], stage_ranks), rank].popleft()
                     after = (kind, chosen[1] + (1 if kind is F else -1), chosen[2])  # the action its message feeds
                     if kind is not W and 0 <= after[1] < stages and stage_ranks[after[1]] != rank:
                         channels[rank, stage_ranks[after[1]]].append(after)
                     following[kind, chosen[1]] += 1
-                    actions[rank].append(Action(chosen[1], chosen[2], kind))
+                    actions[rank].append(action)
                     break
-        time += 1
+        while endings and endings[0] <= time:
+            heapq.heappop(endings)
+        if not endings and len(done) < total:
+            raise _Stuck(f"V schedule for ranks={ranks}, microbatches={microbatches} made no progress (limit {limit})")
+        time = endings[0] if endings else time
     return Schedule(actions, stage_ranks, microbatches)
+
+
+class _Stuck(RuntimeError):
+    """No rank of a V schedule being made can run anything."""
 
 
 def _sender(kind: Kind, stage: int, stage_ranks: tuple[int, ...]) -> int | None:

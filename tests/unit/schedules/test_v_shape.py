@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import lightning_nnscaler as lnn
+from lightning_nnscaler.plans.pipeline import stage_cost
 from lightning_nnscaler.models.gpt import GPT, GPTConfig
-from lightning_nnscaler.schedules.actions import B, F, W
+from lightning_nnscaler.schedules.actions import B, F, W, Action
 from lightning_nnscaler.schedules import (
-    bubble_fraction, format_csv, load_csv, lower, one_f_one_b, peak_in_flight, v_half, validate, zbv,
+    bubble_fraction, execute, format_csv, load_csv, lower, one_f_one_b, peak_in_flight, v_half, validate, zbv,
 )
 
 CASES = [(ranks, microbatches) for ranks in (2, 4) for microbatches in (1, 2, 3, 4, 8, 12)]
@@ -61,6 +62,47 @@ def test_measured_bubbles_and_peaks() -> None:
     }  # 1F1B: (0.111, 2), (0.273, 4), (0.158, 4)
 
 
+MEASURED_MS = {  # (stage, kind) -> ms: a ZB-V step of benchmarks/pipeline.py's GPT on 2 gloo CPU ranks
+    (0, F): 6.9, (0, B): 0.2, (0, W): 14.1, (1, F): 6.6, (1, B): 7.9, (1, W): 7.6,
+    (2, F): 6.6, (2, B): 8.5, (2, W): 7.6, (3, F): 7.8, (3, B): 8.9, (3, W): 8.4,
+}
+
+
+def measured(action) -> float:
+    return MEASURED_MS[action.stage, action.kind]
+
+
+def makespan(schedule, cost) -> float:
+    return execute(schedule, lambda action: cost(action) if action.kind.is_compute else 0.0).makespan
+
+
+@pytest.mark.parametrize("generator", [zbv, v_half])
+def test_in_unit_time_a_cost_changes_nothing(generator) -> None:
+    for p, m in ((2, 8), (4, 8), (4, 16)):
+        assert generator(p, m, cost=lambda action: 1.0) == generator(p, m)
+
+
+@pytest.mark.parametrize("generator", [zbv, v_half])
+@pytest.mark.parametrize("cost", [measured, stage_cost(((0, 0.27), (1, 0.22), (2, 0.23), (3, 0.28)))], ids=["measured", "stage cost"])
+def test_an_order_made_in_stage_time_ends_no_later_and_keeps_the_memory_limit(generator, cost) -> None:
+    timed, unit = generator(2, 8, cost=cost), generator(2, 8)
+    validate(lower(timed))
+    assert makespan(timed, cost) <= makespan(unit, cost)
+    assert max(peak_in_flight(timed)) <= max(peak_in_flight(unit))
+
+
+def test_zbv_made_in_the_measured_times_of_a_step_idles_less_than_the_paper_order() -> None:
+    busy = 8 * sum(MEASURED_MS.values())
+    bubbles = [1 - busy / (2 * makespan(schedule, measured)) for schedule in (zbv(2, 8), zbv(2, 8, cost=measured))]
+    assert [round(bubble, 3) for bubble in bubbles] == [0.086, 0.039]  # F = B = W: 0.040
+
+
+def test_stage_cost_gives_the_first_stage_no_input_gradient_work() -> None:
+    cost = stage_cost(((0, 0.3), (1, 0.3), (2, 0.4)))
+    assert [cost(Action(0, 0, kind)) for kind in (F, B, W)] == pytest.approx([0.1, 0.0, 0.2])
+    assert [cost(Action(2, 5, kind)) for kind in (F, B, W)] == pytest.approx([0.4 / 3] * 3)
+
+
 def gpt_and_batch(layers: int = 2) -> tuple[GPT, object]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=128, seq_len=16, hidden=32, layers=layers, heads=4))  # small(), one layer per V stage
@@ -76,8 +118,9 @@ def test_a_gpt_planned_with_a_v_schedule_name_verifies(schedule: str, generator,
     plan = lnn.parallelize(model, batch, schedule, world_size, step="training_step", microbatches=4,
                            layers_per_stage=",".join(["1"] * 2 * world_size))
     assert plan.verify().parameters_checked == len(list(model.parameters()))
-    assert plan.pipeline.schedule == generator(world_size, 4)
-    assert [[str(action) for action in actions if action.kind.is_compute] for actions in plan.program.actions] == generator(world_size, 4).as_text()
+    made_in_stage_time = generator(world_size, 4, cost=stage_cost(plan.pipeline.stage_work))
+    assert plan.pipeline.schedule == made_in_stage_time
+    assert [[str(action) for action in actions if action.kind.is_compute] for actions in plan.program.actions] == made_in_stage_time.as_text()
     assert all("PROGRAM = [" in source for source in plan.sources)
 
 
