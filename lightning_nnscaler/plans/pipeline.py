@@ -46,6 +46,7 @@ from lightning_nnscaler.plans.stage_cuts import PROLOGUE_STAGE, OpPrices, StageC
 from lightning_nnscaler.primitives import TransformError, op_assign, op_orders, op_trans
 from lightning_nnscaler.schedules import Action, Kind, Schedule, gpipe, interlaced, interleaved, lower, one_f_one_b, three_f_one_b, validate, zb1
 from lightning_nnscaler.schedules.dual_pipe import dual_pipe_v
+from lightning_nnscaler.schedules.metrics import SPLIT_SHARE, WEIGHT_SHARE
 from lightning_nnscaler.schedules.v_shape import Cost, v_half, zbv
 
 
@@ -303,15 +304,18 @@ def _shares(cut: StageCut) -> tuple[tuple[int, float], ...]:
 
 
 def stage_cost(work: Sequence[tuple[int, float]]) -> Cost:
-    """Each compute action's duration from its stage's share of the cut's work: F, B and W a third each, except on
-    stage 0, whose inputs come from the batch and need no gradient: its B is empty and its W the whole backward."""
+    """Each compute action's duration from its stage's share of the cut's work: F a third, the whole backward two thirds,
+    split as the simulator prices a split backward (B ``SPLIT_SHARE`` of it, W ``WEIGHT_SHARE``), except on stage 0,
+    whose inputs come from the batch and need no gradient: its B is empty and its W the whole backward."""
     shares = dict(work)
 
     def cost(action: Action) -> float:
-        third = shares.get(action.stage, 0.0) / 3
-        if action.stage == 0 and action.kind is not Kind.FORWARD:
-            return 2 * third if action.kind is Kind.WEIGHT else 0.0
-        return third
+        forward = shares.get(action.stage, 0.0) / 3
+        if action.kind is Kind.FORWARD:
+            return forward
+        if action.stage == 0:
+            return 2 * forward if action.kind is Kind.WEIGHT else 0.0
+        return 2 * forward * (WEIGHT_SHARE if action.kind is Kind.WEIGHT else SPLIT_SHARE)
 
     return cost
 

@@ -13,6 +13,14 @@ from dataclasses import dataclass
 from lightning_nnscaler.schedules.actions import Action, Kind, Schedule
 from lightning_nnscaler.schedules.validate import check_structure, execute
 
+SPLIT_SHARE = 0.5
+"""B's share of its segment's whole backward time when the schedule splits W off (the input-gradient half)."""
+WEIGHT_SHARE = 0.65
+"""W's share: the two halves run each backward op once between them (``runtime.split_backward``), but the
+split's bookkeeping made F + B + W cost 1.09–1.16× F + B on one CPU rank (``tests/unit/runtime/test_split_backward.py``,
+measured in the session that built it); with F about half a backward, W = 1.15 − 0.5 of a backward. The simulator
+prices a split backward by these shares, and the V schedules order their actions by them (``plans.pipeline.stage_cost``)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Durations:

@@ -29,15 +29,10 @@ from lightning_nnscaler.sim.costs import FLOATING, ComputeModel
 from lightning_nnscaler.materialize.kept import KeptBytes, backward_seed_bytes
 from lightning_nnscaler.materialize.posts import receive_posts
 from lightning_nnscaler.materialize.releases import Message, pipeline_releases
+from lightning_nnscaler.schedules.metrics import SPLIT_SHARE, WEIGHT_SHARE
 from lightning_nnscaler.sim.tasks import Collective as CollectiveTask, Compute, Recv, Send, Task, WaitCollectives
 from lightning_nnscaler.sim.transient import OpMemory, TransientBytes, backward_peaks
 
-SPLIT_SHARE = 0.5
-"""B's share of its segment's backward time when the program splits W off (the input-gradient half)."""
-WEIGHT_SHARE = 0.65
-"""W's share: the two halves run each backward op once between them (``runtime.split_backward``), but the
-split's bookkeeping made F + B + W cost 1.09–1.16× F + B on one CPU rank (``tests/unit/runtime/test_split_backward.py``,
-measured in the session that built it); with F about half a backward, W = 1.15 − 0.5 of a backward."""
 ADJOINT = {"all_reduce": "all_reduce", "all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all", "broadcast": "all_reduce"}
 
 
