@@ -25,8 +25,8 @@ and ``plans.v_shape``; its checks in ``plans.pipeline_checks``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lightning_nnscaler.ir.graph import Graph
