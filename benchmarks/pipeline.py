@@ -1010,11 +1010,11 @@ def timed_order_lines(per_rank: list[dict[str, Any]], settings: Settings) -> lis
     against the paper's unit-time order's, both in the same measured action times (what the timed order saved)."""
     lines = []
     for name in ("zbv", "vhalf"):
-        planned = PLANNED.get(name)
-        if name not in settings.schedules or planned is None or planned == compute_schedule(name, settings):
+        planned, paper_order = PLANNED.get(name), compute_schedule(name, settings)
+        if name not in settings.schedules or planned is None or planned == paper_order:
             continue
         rounds = rounds_of(per_rank, settings, name)
-        timed, paper = (mean([replayed_bubble(ours, schedule) for ours in rounds]) for schedule in (planned, compute_schedule(name, settings)))
+        timed, paper = (mean([replayed_bubble(ours, schedule) for ours in rounds]) for schedule in (planned, paper_order))
         lines.append(f"{name}: the order made in stage time replays at bubble {timed:.3f}, the paper's unit-time order at {paper:.3f} "
                      "(same action times)")
     return lines
