@@ -159,6 +159,8 @@ class Settings(Measurement):
     rounds: int = 3
     schedules: tuple[str, ...] = tuple(SCHEDULES)
     """The schedules of ``SCHEDULES`` to run (``--schedules``)."""
+    activation_limit: str = "stages"
+    """What ZB-V's and V-Half's memory limit counts (``--activation-limit``): stages alike, or each stage's saved bytes."""
     balance: str = "estimate"
     """What prices our stage cut (``--balance``): ``estimate`` from shapes, or ``measured`` op times; torch's stages are cut
     where ours are."""
@@ -280,6 +282,7 @@ def make_plans(settings: Settings) -> list[PlanPayload]:
         plan = lnn.parallelize(
             model, batch, name, settings.stages, step="training_step", stages=settings.stages,
             microbatches=settings.microbatches, balance=settings.balance, **extra,
+            **({"activation_limit": settings.activation_limit} if name in ("zbv", "vhalf") else {}),
         )
         assert plan.pipeline is not None, f"{name} plans carry a pipeline schedule"
         payload = payload_of(name, stages_per_rank(name), plan, settings.stages)
@@ -1129,6 +1132,8 @@ def main() -> None:
     parser.add_argument("--without-torch", action="store_true", help="GPT table: our schedules only")
     parser.add_argument("--balance", choices=("estimate", "measured"), default="estimate",
                         help="GPT table: price the stage cut by op work estimated from shapes, or by op times measured here")
+    parser.add_argument("--activation-limit", choices=("stages", "bytes"), default="stages",
+                        help="GPT table: what ZB-V's and V-Half's memory limit counts: stages alike (the paper's), or each stage's saved bytes")
     parser.add_argument("--glibc-default", action="store_true", help="leave glibc's malloc at its defaults (see cache_freed_memory)")
     arguments = parser.parse_args()
     caching = not arguments.glibc_default
@@ -1136,7 +1141,8 @@ def main() -> None:
         run_split(arguments.quick, arguments.compile, caching)
     if arguments.only in (None, "gpt"):
         run_gpt(arguments.quick, arguments.steps, tuple(arguments.schedules.split(",")), arguments.ranks, arguments.rounds,
-                torch_peers=not arguments.without_torch, balance=arguments.balance, caching_malloc=caching)
+                torch_peers=not arguments.without_torch, balance=arguments.balance, caching_malloc=caching,
+                activation_limit=arguments.activation_limit)
     if arguments.only in (None, "recycling"):
         run_recycling(arguments.quick, arguments.steps, caching)
     if arguments.only in (None, "vocabulary"):
@@ -1144,14 +1150,15 @@ def main() -> None:
 
 
 def run_gpt(quick: bool, steps: int | None, schedules: tuple[str, ...] = tuple(SCHEDULES), ranks: int | None = None,
-            rounds: int | None = None, *, torch_peers: bool = True, balance: str = "estimate", caching_malloc: bool = True) -> None:
+            rounds: int | None = None, *, torch_peers: bool = True, balance: str = "estimate", caching_malloc: bool = True,
+            activation_limit: str = "stages") -> None:
     """Plan, run the schedules on 4 gloo ranks, print the table, issue 38's comparisons and the 1F1B timeline."""
     unknown = set(schedules) - set(SCHEDULES)
     if unknown:
         raise SystemExit(f"unknown schedules {sorted(unknown)}; choose from {list(SCHEDULES)}")
     settings = Settings(hidden=64, vocab=128, seq_len=32, steps=2, warmup=1, rounds=1) if quick else Settings()
     settings = dataclasses.replace(settings, schedules=schedules, stages=ranks or settings.stages, torch_peers=torch_peers, balance=balance,
-                                   caching_malloc=caching_malloc)
+                                   caching_malloc=caching_malloc, activation_limit=activation_limit)
     if steps:
         settings = dataclasses.replace(settings, steps=steps)
     if rounds:
@@ -1160,6 +1167,7 @@ def run_gpt(quick: bool, steps: int | None, schedules: tuple[str, ...] = tuple(S
     print(f"GPT hidden {settings.hidden}, {settings.layers} layers, seq {settings.seq_len}, vocab {settings.vocab}, batch {settings.batch}; "
           f"p = {settings.stages} gloo CPU ranks (1 thread each), m = {settings.microbatches}; "
           f"{settings.warmup} warm-up + {settings.steps} timed steps; stages cut by {settings.balance} cost; "
+          f"V activation limit in {settings.activation_limit}; "
           f"{'freed memory kept (cache_freed_memory)' if settings.caching_malloc else 'glibc malloc defaults'}; torch {torch.__version__}")
     payloads = make_plans(settings)
     print(f"planned {len(payloads)} schedules in {time.perf_counter() - started:.1f} s")

@@ -21,6 +21,8 @@ from lightning_nnscaler.ir.op import Op
 from lightning_nnscaler.ir.tensor import VTensor
 
 ATTENTION = "aten.scaled_dot_product_attention.default"
+NOT_ACTIVATIONS = ("parameter", "buffer", "constant")
+"""Tensor roles whose saved storages are not activations: they exist whether or not backward runs."""
 
 
 @dataclass(frozen=True)

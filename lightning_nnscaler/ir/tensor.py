@@ -170,6 +170,11 @@ class VTensor:
         return self.index.shape
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the piece's elements."""
+        return math.prod(self.shape) * dtype_bytes(self.tensor.dtype)
+
+    @property
     def is_full(self) -> bool:
         """Whether the piece is the whole tensor with its whole value."""
         return self.index.ranges == self.tensor.full_ranges and self.value.is_full

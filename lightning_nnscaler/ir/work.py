@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from lightning_nnscaler.ir.op import Op
-from lightning_nnscaler.ir.tensor import FLOATING, dtype_bytes
+from lightning_nnscaler.ir.tensor import FLOATING
 
 MATMULS = frozenset({"aten.linear.default", "aten.matmul.default", "aten.mm.default", "aten.bmm.default"})
 ADD_MATMULS = frozenset({"aten.addmm.default", "aten.baddbmm.default"})  # (bias, a, b): K from a
@@ -47,7 +47,7 @@ def op_work(op: Op) -> OpWork:
     has_backward = not op.no_grad and any(piece.tensor.dtype in FLOATING for piece in inputs) and dtype in FLOATING
     if op.target in VIEWS:
         return OpWork(0.0, 0.0, dtype, False, has_backward)
-    nbytes = float(sum(math.prod(piece.shape) * dtype_bytes(piece.tensor.dtype) for piece in (*inputs, *outputs)))
+    nbytes = float(sum(piece.nbytes for piece in (*inputs, *outputs)))
     flops, matmul = float(out_elements), False
     if op.target in MATMULS and inputs and inputs[0].shape:
         flops, matmul = 2.0 * out_elements * inputs[0].shape[-1], True

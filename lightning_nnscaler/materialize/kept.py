@@ -19,18 +19,16 @@ from __future__ import annotations
 import math
 from typing import Callable, Hashable
 
-from lightning_nnscaler.ir.saved import saved_by
-from lightning_nnscaler.ir.tensor import FLOATING, VTensor, dtype_bytes
+from lightning_nnscaler.ir.saved import NOT_ACTIVATIONS, saved_by
+from lightning_nnscaler.ir.tensor import FLOATING, dtype_bytes
 from lightning_nnscaler.materialize.program import Action, Assemble, Collective, Compute, Program, Recv, RankProgram, Segment, Send, reads
-
-UNCOUNTED_ROLES = ("parameter", "buffer", "constant")
 
 
 class KeptBytes:
     """One rank's kept activation bytes; call ``follow`` on each action in program order, ``kept`` on computes."""
 
     def __init__(self, program: RankProgram, trains: Callable[[str], bool]) -> None:
-        self.uncounted = {local.var for local in program.inputs if local.role in UNCOUNTED_ROLES}
+        self.uncounted = {local.var for local in program.inputs if local.role in NOT_ACTIVATIONS}
         self.grad = {local.var for local in program.inputs if local.role == "parameter" and trains(local.name)}
         self.roots: dict[str, str] = {}
         self.nbytes: dict[str, int] = {}
@@ -69,9 +67,9 @@ class KeptBytes:
         op = action.op
         pieces = op.tensor_inputs
         for var, piece in zip(action.input_vars, pieces):
-            self.nbytes.setdefault(var, _bytes(piece))
+            self.nbytes.setdefault(var, piece.nbytes)
         for var, piece in zip(action.output_vars, op.outputs):
-            self.nbytes.setdefault(var, _bytes(piece))
+            self.nbytes.setdefault(var, piece.nbytes)
             if op.recompute is None:
                 self.block_of.pop(var, None)
             else:
@@ -131,7 +129,3 @@ def backward_seed_bytes(program: Program, rank: int) -> dict[Segment, int]:
         if isinstance(action, Send) and action.boundary and action.gradient:
             seeds[action.segment] = seeds.get(action.segment, 0) + received.get((rank, action.dst, action.tag), 0)
     return seeds
-
-
-def _bytes(piece: VTensor) -> int:
-    return math.prod(piece.shape) * dtype_bytes(piece.tensor.dtype)

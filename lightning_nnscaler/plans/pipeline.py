@@ -43,6 +43,7 @@ from lightning_nnscaler.plans.pipeline_checks import (
 from lightning_nnscaler.plans.propagate import propagate, replicate
 from lightning_nnscaler.plans.recompute import op_recompute
 from lightning_nnscaler.plans.stage_cuts import PROLOGUE_STAGE, OpPrices, StageCut, cut_stages, op_kinds
+from lightning_nnscaler.plans.stage_memory import stage_saved_bytes
 from lightning_nnscaler.primitives import TransformError, op_assign, op_orders, op_trans
 from lightning_nnscaler.schedules import Action, Kind, Schedule, gpipe, interlaced, interleaved, lower, one_f_one_b, three_f_one_b, validate, zb1
 from lightning_nnscaler.schedules.dual_pipe import dual_pipe_v
@@ -82,6 +83,9 @@ class PipelineSettings:
     (times ``tp``), run one after another, each recomputed alone (``plans.coshard``)."""
     shards: int = 2
     """Pieces per rank of each split on the ``coshard_stages`` (at least 2)."""
+    activation_limit: str = "stages"
+    """What the V schedules' memory limit counts (``ACTIVATION_LIMITS``): stages alike (the paper's) or each
+    stage's saved bytes (``stage_saved_bytes``)."""
     schedule_csv: str | None = None
     """A per-rank action table in torch.distributed.pipelining's CSV format run instead of the schedule's
     generator (``pipeline_checks.imported_schedule``); it fixes the microbatches and the stages per rank."""
@@ -105,9 +109,10 @@ class ScheduleRule:
     stages, nor interlaced's shared ones)."""
     shared_vocabulary: bool = False
     """Whether the vocabulary layers are shared stages run by every rank (interlaced, ``plans.interlaced``)."""
-    timed: Callable[[int, int, Cost], Schedule] | None = None
-    """``timed(ranks, microbatches, cost)``: the order made in the cut stages' time (``stage_cost``), where the
-    generator can use it (the V schedules)."""
+    timed: Callable[[int, int, Cost, Sequence[float] | None], Schedule] | None = None
+    """``timed(ranks, microbatches, cost, saved)``: the order made in the cut stages' time (``stage_cost``), within
+    its activation limit counted in the bytes each stage saves (``stage_saved_bytes``) or, with None, in stages,
+    where the generator can use them (the V schedules)."""
 
 
 SCHEDULE_RULES: dict[str, ScheduleRule] = {
@@ -128,6 +133,8 @@ SCHEDULE_RULES: dict[str, ScheduleRule] = {
 SCHEDULES = tuple(SCHEDULE_RULES)
 BALANCES = ("estimate", "measured")
 """What a stage cut may be priced by (``PipelineSettings.balance``)."""
+ACTIVATION_LIMITS = ("stages", "bytes")
+"""What the V schedules' memory limit may count (``PipelineSettings.activation_limit``)."""
 
 
 @dataclass(frozen=True)
@@ -171,7 +178,7 @@ def pipeline(graph: Graph, ctx: PlanContext, schedule: str, settings: PipelineSe
     chunks = rule.stages_per_rank(graph, settings) if callable(rule.stages_per_rank) else rule.stages_per_rank
     grid = _grid(ctx.world_size, settings)
     order, chunks = _order(graph, schedule, rule, settings, grid, chunks)
-    placement = _timed(rule, settings, Placement(grid, order, *_cut(graph, order, chunks, rule, settings, _prices(schedule, settings, ctx))))
+    placement = _timed(graph, rule, settings, Placement(grid, order, *_cut(graph, order, chunks, rule, settings, _prices(schedule, settings, ctx))))
     order = placement.order
     coshard = {column: settings.shards for column in settings.coshard_stages or ()}
     choose = megatron_choice(graph) if settings.tp > 1 or coshard else None
@@ -208,6 +215,12 @@ def _check_settings(schedule: str, rule: ScheduleRule, settings: PipelineSetting
         raise ValueError(f"layers_per_stage counts must be >= 0 and not all 0, got {list(settings.layers_per_stage)}")
     if settings.tp != 1 and rule.shared_vocabulary:
         raise ValueError(f"{schedule}: tp={settings.tp} is not supported (its shared layers are already split over every pipeline rank)")
+    if settings.activation_limit not in ACTIVATION_LIMITS:
+        raise ValueError(f"{schedule}: activation_limit must be one of {ACTIVATION_LIMITS}, got {settings.activation_limit!r}")
+    if settings.activation_limit != "stages" and rule.timed is None:
+        raise ValueError(f"{schedule}: activation_limit={settings.activation_limit!r} is for zbv and vhalf, whose order keeps a memory limit")
+    if settings.activation_limit != "stages" and settings.schedule_csv is not None:
+        raise ValueError(f"{schedule}: activation_limit={settings.activation_limit!r} orders the generator's actions; schedule_csv fixes the order: give one of them")
     if settings.schedule_csv is not None and not rule.own_stages:
         raise ValueError(f"{schedule}: schedule_csv is not supported (its forward-only or shared stages are placed by the recipe)")
 
@@ -287,12 +300,13 @@ def _cut(
     return cut_stages(graph, pp, fixed=fixed, first=1, prices=prices), shared
 
 
-def _timed(rule: ScheduleRule, settings: PipelineSettings, placement: Placement) -> Placement:
-    """The placement with its order made again in its cut stages' time, where the rule's generator can (not for an
-    imported table)."""
+def _timed(graph: Graph, rule: ScheduleRule, settings: PipelineSettings, placement: Placement) -> Placement:
+    """The placement with its order made again in its cut stages' time and saved bytes, where the rule's generator
+    can (not for an imported table)."""
     if rule.timed is None or settings.schedule_csv is not None or not placement.cut.work:
         return placement
-    order = rule.timed(placement.pp, placement.order.microbatches, stage_cost(_shares(placement.cut)))
+    saved = stage_saved_bytes(graph, placement.cut, len(placement.order.stage_ranks)) if settings.activation_limit == "bytes" else None
+    order = rule.timed(placement.pp, placement.order.microbatches, stage_cost(_shares(placement.cut)), saved)
     validate(lower(order))
     return dataclasses.replace(placement, order=order)
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 from lightning_nnscaler.ir.graph import Graph
 from lightning_nnscaler.ir.op import PROLOGUE, Op
-from lightning_nnscaler.ir.tensor import dtype_bytes
 from lightning_nnscaler.ir.work import op_work
 
 PROLOGUE_STAGE = PROLOGUE[0]
@@ -263,7 +262,7 @@ def _balanced_cuts(ops: Sequence[Op], stages: int, costs: Sequence[float]) -> li
 def _crossing_bytes(ops: Sequence[Op]) -> list[int]:
     """``crossing[i]``: bytes of the tensors written by ``ops[:i]`` and read by ``ops[i:]``."""
     position = {op.name: index for index, op in enumerate(ops)}
-    produced_at = {output.name: (position[op.name], math.prod(output.shape) * dtype_bytes(output.tensor.dtype)) for op in ops for output in op.outputs}
+    produced_at = {output.name: (position[op.name], output.nbytes) for op in ops for output in op.outputs}
     last_read: dict[str, int] = {}
     for index, op in enumerate(ops):
         for piece in op.tensor_inputs:

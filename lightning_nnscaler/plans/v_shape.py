@@ -31,12 +31,22 @@ class VShapeConfig:
     numbered module (blocks.3); embeddings join the first stage, heads the last; null cuts by cost."""
 
 
-def zbv_plan(graph: Graph, ctx: PlanContext, config: VShapeConfig) -> None:
+@dataclass(frozen=True, kw_only=True)
+class ZeroBubbleVConfig(VShapeConfig):
+    """zbv and vhalf: a V ordered within a memory limit."""
+
+    activation_limit: str = "stages"
+    """What the limit counts (ZB-V: 1F1B's activation peak; V-Half: half of it): stages (the paper's: each stage's
+    activations count alike) or bytes (each stage's saved-for-backward bytes, estimated from the graph: the limit
+    holds where a stage keeps more than another, such as the head's, at the cost of bubble)."""
+
+
+def zbv_plan(graph: Graph, ctx: PlanContext, config: ZeroBubbleVConfig) -> None:
     """ZB-V: zero bubble at 1F1B's activation memory; backward split into input (I) and weight (W) gradients."""
     pipeline(graph, ctx, "zbv", PipelineSettings(**fields_of(config)))
 
 
-def vhalf_plan(graph: Graph, ctx: PlanContext, config: VShapeConfig) -> None:
+def vhalf_plan(graph: Graph, ctx: PlanContext, config: ZeroBubbleVConfig) -> None:
     """V-Half: about half of 1F1B's activation memory, for a small bubble."""
     pipeline(graph, ctx, "vhalf", PipelineSettings(**fields_of(config)))
 

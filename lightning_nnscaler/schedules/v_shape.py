@@ -9,7 +9,11 @@ held from its ``F`` to its ``W``, as ``metrics.peak_in_flight`` counts them.
 Both generators list-schedule: at each moment every idle rank runs the first ready action in its
 priority order; a first-chunk forward (a new microbatch entering the rank) waits while the rank's stash,
 plus one slot reserved for the second-chunk forward of each microbatch still on its way back, would
-exceed the memory limit. Their only difference is that limit. In unit time (F = B = W = 1, the
+exceed the memory limit. Their only difference is that limit, a share of 1F1B's peak on the same layers
+(``one_f_one_b_peak``: 1F1B's stage r is the V's stages 2r and 2r + 1, and its rank r holds p - r of them).
+By default each stage keeps as much as any other (``saved``: 1 each), so ZB-V's limit is 2p stage
+activations; given each stage's saved bytes per microbatch, the limit is in bytes, and a stage that keeps
+more (the head's logits, on rank 0 beside the embedding) counts for more. In unit time (F = B = W = 1, the
 ``metrics.Durations`` defaults) the priority is the paper's, B before F before W. Given each action's
 ``cost`` (a plan's stage costs: the first stage has no input gradients, so its B is empty and its W the
 whole backward), they schedule in that time and keep the priority order whose step ends soonest, the
@@ -22,7 +26,7 @@ import heapq
 import itertools
 import math
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from lightning_nnscaler.schedules.actions import B, F, W, Action, Kind, Schedule, require_positive
 from lightning_nnscaler.schedules.validate import execute
@@ -30,40 +34,64 @@ from lightning_nnscaler.schedules.validate import execute
 Cost = Callable[[Action], float]
 """The duration of a compute action (stage, microbatch, kind) in any time unit."""
 PAPER_PRIORITY = (B, F, W)
+ADMISSIONS = ("rank", "path", "stash")
+"""When a rank may run a forward within the memory limit (``_v_schedule``); the paper's is ``rank``."""
 
 
-def zbv(ranks: int, microbatches: int, cost: Cost | None = None) -> Schedule:
+def zbv(ranks: int, microbatches: int, cost: Cost | None = None, saved: Sequence[float] | None = None) -> Schedule:
     """ZB-V (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", §6; Qi et al. 2024, "Pipeline Parallelism
-    with Controllable Memory", arXiv 2405.15362, V-ZB): at most 2p stage activations per rank, i.e. 1F1B's
-    peak of p full stages, and B before F before W so the W's fill what would be bubbles (with ``cost``: see the
-    module docstring)."""
-    return _timed(ranks, microbatches, 2 * ranks, cost)
+    with Controllable Memory", arXiv 2405.15362, V-ZB): 1F1B's activation peak per rank (2p stage activations
+    when the stages keep alike), and B before F before W so the W's fill what would be bubbles (with ``cost``
+    and ``saved``: see the module docstring)."""
+    return _timed(ranks, microbatches, 1.0, cost, saved)
 
 
-def v_half(ranks: int, microbatches: int, cost: Cost | None = None) -> Schedule:
-    """V-Half (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", arXiv 2405.15362, §4): at
-    most p stage activations per rank (half-size stages: half of 1F1B's peak). The tight limit costs bubble:
-    this greedy order idles about a third of the step (1F1B: (p - 1) / (m + p - 1)). With ``cost``: see the
-    module docstring."""
-    return _timed(ranks, microbatches, max(ranks, 2), cost)
+def v_half(ranks: int, microbatches: int, cost: Cost | None = None, saved: Sequence[float] | None = None) -> Schedule:
+    """V-Half (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", arXiv 2405.15362, §4): half of
+    1F1B's activation peak per rank (p stage activations when the stages keep alike, at least 2). The tight
+    limit costs bubble: this greedy order idles about a third of the step (1F1B: (p - 1) / (m + p - 1)). With
+    ``cost`` and ``saved``: see the module docstring."""
+    return _timed(ranks, microbatches, max(ranks, 2) / (2 * ranks), cost, saved)
 
 
-def _timed(ranks: int, microbatches: int, limit: int, cost: Cost | None) -> Schedule:
-    """The unit-time schedule, or with ``cost`` the soonest-ending of it and the schedules made in that time."""
-    unit = _v_schedule(ranks, microbatches, limit=limit, priority=PAPER_PRIORITY)
-    if cost is None:
-        return unit
-    made = [unit]
-    for order in itertools.permutations((B, F, W)):
+def one_f_one_b_peak(saved: Sequence[float]) -> float:
+    """The most a rank of 1F1B keeps on the layers of the V's ``len(saved)`` stages: its stage r is the V's stages
+    2r and 2r + 1, of which its rank r holds p - r microbatches."""
+    ranks = len(saved) // 2
+    return max((ranks - rank) * (saved[2 * rank] + saved[2 * rank + 1]) for rank in range(ranks))
+
+
+def _timed(ranks: int, microbatches: int, share: float, cost: Cost | None, saved: Sequence[float] | None) -> Schedule:
+    """The soonest-ending under ``cost`` (default: unit time) of the schedules made in unit time with the paper's
+    priority and, with ``cost``, in that time with each priority; each keeps ``share`` of 1F1B's peak (``saved``'s,
+    default 1 per stage), by admitting a microbatch where each rank has room (``_v_schedule``'s two rules)."""
+    saved = tuple(saved) if saved is not None else (1,) * (2 * ranks)
+    if len(saved) != 2 * ranks or min(saved) < 0:
+        raise ValueError(f"V schedule: saved must give 2 × ranks = {2 * ranks} sizes >= 0, got {list(saved)}")
+    limit = share * one_f_one_b_peak(saved)
+    runs = [(PAPER_PRIORITY, None)] + ([(order, cost) for order in itertools.permutations((B, F, W))] if cost is not None else [])
+    made = []
+    for (priority, timing), admission in itertools.product(runs, ADMISSIONS):
         try:
-            made.append(_v_schedule(ranks, microbatches, limit=limit, priority=order, cost=cost))
-        except _Stuck:  # an order under which the memory limit holds every rank (the paper's never does)
+            made.append(_v_schedule(ranks, microbatches, limit=limit, priority=priority, saved=saved, cost=timing, admission=admission))
+        except _Stuck:  # a rank full to its limit blocks the messages behind a microbatch's, or its return finds no room
             continue
-    return min(made, key=lambda schedule: execute(schedule, lambda action: cost(action) if action.kind.is_compute else 0.0).makespan)
+    duration = cost or (lambda action: 1.0)
+    return min(made, key=lambda schedule: execute(schedule, lambda action: duration(action) if action.kind.is_compute else 0.0).makespan)
 
 
-def _v_schedule(ranks: int, microbatches: int, *, limit: int, priority: tuple[Kind, ...], cost: Cost | None = None) -> Schedule:
-    """List scheduling of the V placement in ``cost``'s time (default: unit time; see the module docstring); compute-only actions."""
+def _v_schedule(
+    ranks: int, microbatches: int, *, limit: float, priority: tuple[Kind, ...], saved: Sequence[float], cost: Cost | None = None,
+    admission: str = "rank",
+) -> Schedule:
+    """List scheduling of the V placement in ``cost``'s time (default: unit time; see the module docstring), each rank
+    keeping at most ``limit`` of ``saved`` (each stage's per microbatch) unless it holds nothing; compute-only actions.
+
+    ``admission`` is when a rank may run a forward: ``rank``, a first-chunk forward if the microbatch and its return
+    fit on the rank; ``path``, if they fit on it and, when it arrives, on every deeper rank (never stuck, where a
+    deeper rank refusing a microbatch already sent holds the messages behind it, for pairs exchange messages in the
+    order sent; but it may wait where ``rank`` would not); ``stash``, any forward whose stage fits beside what the
+    rank holds now (nothing reserved: a finer limit, stuck where the returns find no room)."""
     require_positive(ranks=ranks, microbatches=microbatches)
     stages = 2 * ranks
     stage_ranks = tuple(min(stage, stages - 1 - stage) for stage in range(stages))
@@ -79,10 +107,18 @@ def _v_schedule(ranks: int, microbatches: int, *, limit: int, priority: tuple[Ki
         in_order = sender is None or list(channels[sender, stage_ranks[stage]])[:1] == [(kind, stage, microbatch)]
         return microbatch < microbatches and in_order and all(done.get((need, at, microbatch), math.inf) <= time for need, at in needs)
 
-    def fits(rank: int) -> bool:  # a new microbatch on the rank's first chunk, with its return slot reserved
+    def fits(rank: int, arriving: int) -> bool:  # ``arriving`` more microbatches on the rank's first chunk, return slots reserved
         first, second = rank, stages - 1 - rank
-        held = sum(following[F, stage] - following[W, stage] for stage in (first, second))
-        return held + (following[F, first] - following[F, second]) + 2 <= limit
+        held = sum((following[F, stage] - following[W, stage]) * saved[stage] for stage in (first, second))
+        held += (following[F, first] - following[F, second]) * saved[second]
+        return held == 0 and arriving == 1 or held + arriving * (saved[first] + saved[second]) <= limit * (1 + 1e-9)
+
+    def admits(rank: int, stage: int) -> bool:  # a forward of ``stage`` on ``rank`` keeps the limit (see ``admission``)
+        if admission == "stash":
+            held = sum((following[F, own] - following[W, own]) * saved[own] for own in (rank, stages - 1 - rank))
+            return held == 0 or held + saved[stage] <= limit * (1 + 1e-9)
+        deepest = ranks if admission == "path" else rank + 1
+        return stage != rank or all(fits(deeper, following[F, rank] - following[F, deeper] + 1) for deeper in range(rank, deepest))
 
     duration = cost or (lambda action: 1.0)
     busy_until = [0.0] * ranks
@@ -95,7 +131,7 @@ def _v_schedule(ranks: int, microbatches: int, *, limit: int, priority: tuple[Ki
             for kind in priority:
                 # the second chunk first: it finishes microbatches (forward) and is the earlier backward
                 candidates = [(kind, stage, following[kind, stage]) for stage in (stages - 1 - rank, rank)]
-                chosen = next((c for c in candidates if ready(*c, time) and (kind is not F or c[1] != rank or fits(rank))), None)
+                chosen = next((c for c in candidates if ready(*c, time) and (kind is not F or admits(rank, c[1]))), None)
                 if chosen is not None:
                     action = Action(chosen[1], chosen[2], kind)
                     done[chosen] = busy_until[rank] = time + duration(action)

@@ -84,7 +84,7 @@ def _junction_bytes(action: ComputeAction, memory: OpMemory) -> int:
     kinds = {parameter for _, _, parameter, _ in memory.input_grads}
     if kinds != {True, False}:
         return 0
-    return sum(math.prod(output.shape) * dtype_bytes(output.tensor.dtype) for output in action.op.outputs)
+    return sum(output.nbytes for output in action.op.outputs)
 
 
 class TaskBuilder:
@@ -227,7 +227,7 @@ class TaskBuilder:
                 chunk.ops.append(memory)
                 chunk.junction += _junction_bytes(action, memory)
             elif isinstance(action, Assemble):
-                nbytes = math.prod(action.piece.shape) * dtype_bytes(action.piece.tensor.dtype)
+                nbytes = action.piece.nbytes
                 segment.items.append(_Chunk(self.compute.copy_seconds(nbytes), self.compute.copy_seconds(nbytes)))
             elif isinstance(action, SendAction) and action.boundary:
                 segment.outputs.append(action)

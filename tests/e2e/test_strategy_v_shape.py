@@ -3,7 +3,8 @@
 Rank r of p holds model stages r and 2p - 1 - r (at 4 ranks one block per stage, embeddings with the first,
 the head with the last); per-batch losses, the logged and validation losses and the final weights equal
 ddp's at rtol 1e-5. ZB-V and V-Half train 10 steps of the shared global batch of 4 at 2 and 4 ranks (ZB-V at 2 ranks also with
-its stages cut by measured op times, `balance="measured"`), DualPipeV
+its stages cut by measured op times, `balance="measured"`, and its memory limit counted in saved bytes,
+`activation_limit="bytes"`), DualPipeV
 at 2 ranks (4 microbatches), also as the zb1 recipe's ``schedule_csv`` (its table in torch's CSV format). DualPipeV
 needs 2p microbatches, 8 at 4 ranks: there it trains 3 steps of a global batch of 8 (``wide_batch_worker``),
 where its moved forwards (``schedules.dual_pipe``) reorder the messages.
@@ -26,7 +27,7 @@ from lightning_runs import parity_worker  # noqa: E402
 from lightning_nnscaler.schedules import dual_pipe_v, format_csv
 
 OPTIONS = {"steps": 10, "model": "gpt8"}
-V_SHAPES = {2: ["zbv", "vhalf", "dualpipev", "dualpipev csv", "zbv measured"], 4: ["zbv", "vhalf"]}
+V_SHAPES = {2: ["zbv", "vhalf", "dualpipev", "dualpipev csv", "zbv measured", "zbv bytes"], 4: ["zbv", "vhalf"]}
 """Rank count -> the runs on the shared global batch of 4 (DualPipeV at 4 ranks: `test_dualpipev_at_4_ranks_trains_like_ddp`)."""
 WIDE_BATCH, WIDE_STEPS = 8, 3
 
@@ -38,9 +39,12 @@ def blocks(ranks: int) -> str:
 
 def strategy(name: str, ranks: int, folder: Path) -> dict[str, Any]:
     """NnScalerStrategy's arguments for run ``name`` of `V_SHAPES`; "dualpipev csv" writes its table into ``folder``;
-    "zbv measured" cuts its stages by the op times rank 0 measures (every rank must plan alike)."""
+    "zbv measured" cuts its stages by the op times rank 0 measures (every rank must plan alike); "zbv bytes" counts its
+    memory limit in each stage's saved bytes."""
     if name == "zbv measured":
         return {"recipe": "zbv", "balance": "measured"}
+    if name == "zbv bytes":  # at 2 ranks its order differs from the one counted in stages
+        return {"recipe": "zbv", "layers_per_stage": blocks(ranks), "activation_limit": "bytes"}
     if name == "dualpipev csv":
         table = folder / "dualpipev.csv"
         table.write_text(format_csv(dual_pipe_v(ranks, 4)))  # I, W and B cells, as torch writes them
