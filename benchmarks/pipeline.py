@@ -63,6 +63,7 @@ Run: python benchmarks/pipeline.py                    (all three tables; about 1
      python benchmarks/pipeline.py --only gpt --rounds 2  (fewer rounds of the GPT table: each ~1/3 of its time)
      benchmarks/lent_machine.sh [CORES] [ROUNDS]      (GPT and 3F1B tables pinned to CORES, default 0-3)
      python benchmarks/pipeline.py --only split       (one rank: F+B against F+I+W, ours, torch's, the old re-walk)
+     python benchmarks/pipeline.py --only split --hidden 512 --rows 8   (the same with larger ops)
 
 The GPT table's "compute ms/step by rank" is each rank's time inside its actions less its waits; with
 both 1f1b and zb1 run, a line compares them (F+I+W against F+B per rank, and the step). With more
@@ -1023,7 +1024,7 @@ def timed_order_lines(per_rank: list[dict[str, Any]], settings: Settings) -> lis
     return lines
 
 
-def run_split(quick: bool, compile: bool = False, caching_malloc: bool = True) -> None:
+def run_split(quick: bool, compile: bool = False, caching_malloc: bool = True, hidden: int | None = None, rows: int | None = None) -> None:
     """One rank, no peers: a middle stage's m microbatches as 1F1B runs them (F, B each) and as ZB-H1
     does (F, I each, every W trailing its I by ``delay`` microbatches: rank r of ZB-H1 delays by r,
     the rest at the end), with W as ``runtime.split_backward`` runs it, as torch.distributed.pipelining
@@ -1032,12 +1033,14 @@ def run_split(quick: bool, compile: bool = False, caching_malloc: bool = True) -
 
     With ``compile``, the stage runs under ``torch.compile`` (inductor): F+B with its backward whole, and F+I+W with
     its backward split into compiled halves (``runtime.compiled_split``) against the whole compiled backward run in
-    both I and W (as before the split)."""
+    both I and W (as before the split). ``hidden`` and ``rows`` (per microbatch) size the stage's ops: the split's cost
+    is about constant per autograd node, so its share falls as the ops grow."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     from lightning_nnscaler.runtime.split_backward import input_gradients
 
     settings = Settings(hidden=64, vocab=128, seq_len=32, rounds=3, caching_malloc=caching_malloc) if quick else Settings(rounds=9, caching_malloc=caching_malloc)
+    settings = dataclasses.replace(settings, hidden=hidden or settings.hidden, batch=(rows or settings.batch // settings.microbatches) * settings.microbatches)
     prepare_rank(settings)
     torch.manual_seed(0)
     stage = nn.Sequential(*build_model(settings).blocks[: settings.layers // settings.stages])
@@ -1134,11 +1137,13 @@ def main() -> None:
                         help="GPT table: price the stage cut by op work estimated from shapes, or by op times measured here")
     parser.add_argument("--activation-limit", choices=("stages", "bytes"), default="stages",
                         help="GPT table: what ZB-V's and V-Half's memory limit counts: stages alike (the paper's), or each stage's saved bytes")
+    parser.add_argument("--hidden", type=int, default=None, help="split table: the blocks' width (default 256)")
+    parser.add_argument("--rows", type=int, default=None, help="split table: rows per microbatch (default 2)")
     parser.add_argument("--glibc-default", action="store_true", help="leave glibc's malloc at its defaults (see cache_freed_memory)")
     arguments = parser.parse_args()
     caching = not arguments.glibc_default
     if arguments.only == "split":
-        run_split(arguments.quick, arguments.compile, caching)
+        run_split(arguments.quick, arguments.compile, caching, arguments.hidden, arguments.rows)
     if arguments.only in (None, "gpt"):
         run_gpt(arguments.quick, arguments.steps, tuple(arguments.schedules.split(",")), arguments.ranks, arguments.rounds,
                 torch_peers=not arguments.without_torch, balance=arguments.balance, caching_malloc=caching,
