@@ -9,7 +9,8 @@ held from its ``F`` to its ``W``, as ``metrics.peak_in_flight`` counts them.
 Both generators list-schedule: at each moment every idle rank runs the first ready action in its
 priority order; a first-chunk forward (a new microbatch entering the rank) waits while the rank's stash,
 plus one slot reserved for the second-chunk forward of each microbatch still on its way back, would
-exceed the memory limit. Their only difference is that limit, a share of 1F1B's peak on the same layers
+exceed the memory limit (the paper's rule; ``ADMISSIONS`` lists two more, and the generators keep the best
+order any of them makes). Their only difference is that limit, a share of 1F1B's peak on the same layers
 (``one_f_one_b_peak``: 1F1B's stage r is the V's stages 2r and 2r + 1, and its rank r holds p - r of them).
 By default each stage keeps as much as any other (``saved``: 1 each), so ZB-V's limit is 2p stage
 activations; given each stage's saved bytes per microbatch, the limit is in bytes, and a stage that keeps
@@ -64,7 +65,7 @@ def one_f_one_b_peak(saved: Sequence[float]) -> float:
 def _timed(ranks: int, microbatches: int, share: float, cost: Cost | None, saved: Sequence[float] | None) -> Schedule:
     """The soonest-ending under ``cost`` (default: unit time) of the schedules made in unit time with the paper's
     priority and, with ``cost``, in that time with each priority; each keeps ``share`` of 1F1B's peak (``saved``'s,
-    default 1 per stage), by admitting a microbatch where each rank has room (``_v_schedule``'s two rules)."""
+    default 1 per stage), under each of ``ADMISSIONS``."""
     saved = tuple(saved) if saved is not None else (1,) * (2 * ranks)
     if len(saved) != 2 * ranks or min(saved) < 0:
         raise ValueError(f"V schedule: saved must give 2 × ranks = {2 * ranks} sizes >= 0, got {list(saved)}")
