@@ -38,27 +38,34 @@ class ActionKind(str, enum.Enum):
     @property
     def is_compute(self) -> bool:
         """True for F, B and W."""
-        return self in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT)
+        return self._value_ in _COMPUTE
 
     @property
     def is_send(self) -> bool:
         """True for SEND_F and SEND_B."""
-        return self in (ActionKind.SEND_F, ActionKind.SEND_B)
+        return self._value_ in _SEND
 
     @property
     def is_recv(self) -> bool:
         """True for RECV_F and RECV_B."""
-        return self in (ActionKind.RECV_F, ActionKind.RECV_B)
+        return self._value_ in _RECV
 
     @property
     def is_segment(self) -> bool:
         """True for the actions on a (stage, microbatch): compute and messages between segments."""
-        return self.is_compute or self.is_send or self.is_recv
+        return self._value_ in _SEGMENT
 
     @property
     def names_bucket(self) -> bool:
         """True for REDUCE, GATHER and FREE."""
-        return self in (ActionKind.REDUCE, ActionKind.GATHER, ActionKind.FREE)
+        return self._value_ in _BUCKET
+
+
+_COMPUTE = frozenset({"F", "B", "W"})
+_SEND = frozenset({"SEND_F", "SEND_B"})
+_RECV = frozenset({"RECV_F", "RECV_B"})
+_SEGMENT = _COMPUTE | _SEND | _RECV
+_BUCKET = frozenset({"REDUCE", "GATHER", "FREE"})
 
 
 _SEGMENT_PATTERN = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)(\d+)(?:(->|<-)(\d+))?")

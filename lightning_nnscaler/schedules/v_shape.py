@@ -102,11 +102,18 @@ def _v_schedule(
     channels: dict[tuple[int, int], deque] = defaultdict(deque)  # (sender, receiver) -> the actions awaiting, in send order
 
     def ready(kind: Kind, stage: int, microbatch: int, time: float) -> bool:
-        needs = {F: [(F, stage - 1)] if stage else [], B: [(F, stage)] + ([(B, stage + 1)] if stage < stages - 1 else []),
-                 W: [(B, stage)]}[kind]
+        if microbatch >= microbatches:
+            return False
         sender = _sender(kind, stage, stage_ranks)
-        in_order = sender is None or list(channels[sender, stage_ranks[stage]])[:1] == [(kind, stage, microbatch)]
-        return microbatch < microbatches and in_order and all(done.get((need, at, microbatch), math.inf) <= time for need, at in needs)
+        if sender is not None:
+            waiting = channels[sender, stage_ranks[stage]]
+            if not waiting or waiting[0] != (kind, stage, microbatch):
+                return False
+        if kind is F:
+            return stage == 0 or done.get((F, stage - 1, microbatch), math.inf) <= time
+        if kind is B:
+            return done.get((F, stage, microbatch), math.inf) <= time and (stage == stages - 1 or done.get((B, stage + 1, microbatch), math.inf) <= time)
+        return done.get((B, stage, microbatch), math.inf) <= time
 
     def fits(rank: int, arriving: int) -> bool:  # ``arriving`` more microbatches on the rank's first chunk, return slots reserved
         first, second = rank, stages - 1 - rank

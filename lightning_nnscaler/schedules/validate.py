@@ -101,21 +101,18 @@ def dependencies(schedule: Schedule, rank: int, action: Action, recv_index: int,
     ``recv_index`` is a RECV's position on its channel; ``lowered`` says whether cross-rank inputs arrive
     by RECV actions (then a compute action also waits for the receives ``lower`` puts before it).
     """
-    stage, microbatch = action.stage, action.microbatch
-    if action.kind.is_recv:
+    stage, microbatch, kind = action.stage, action.microbatch, action.kind
+    if kind.is_recv:
         return [("send", _channel(action, rank), recv_index)]
-    needs = {
-        Kind.FORWARD: [Action(stage - 1, microbatch, Kind.FORWARD)] if stage > 0 else [],
-        Kind.BACKWARD: [Action(stage, microbatch, Kind.FORWARD)]
-        + ([Action(stage + 1, microbatch, Kind.BACKWARD)] if stage + 1 < schedule.stages else []),
-        Kind.WEIGHT: [Action(stage, microbatch, Kind.BACKWARD)],
-        Kind.SEND_F: [Action(stage, microbatch, Kind.FORWARD)],
-        Kind.SEND_B: [Action(stage, microbatch, Kind.BACKWARD)],
-    }[action.kind]
-    if lowered and action.kind.is_compute:
-        needs += communication_around(schedule, action, rank)[0]
-    keys = [_identity(need) for need in needs]
-    if action.kind.is_compute and schedule.is_shared(stage):
+    if kind is Kind.FORWARD:
+        keys: list[Key] = [(stage - 1, microbatch, Kind.FORWARD, None)] if stage > 0 else []
+    elif kind is Kind.BACKWARD:
+        keys = [(stage, microbatch, Kind.FORWARD, None)] + ([(stage + 1, microbatch, Kind.BACKWARD, None)] if stage + 1 < schedule.stages else [])
+    else:  # W, SEND_F, SEND_B: the action whose result it uses or sends
+        keys = [(stage, microbatch, Kind.FORWARD if kind is Kind.SEND_F else Kind.BACKWARD, None)]
+    if lowered and kind.is_compute:
+        keys += [_identity(receive) for receive in communication_around(schedule, action, rank)[0]]
+    if kind.is_compute and schedule.is_shared(stage):
         keys.append(("all", _identity(action)))  # a shared stage runs like a collective: every rank together
     return keys
 
