@@ -17,6 +17,7 @@ from lightning_nnscaler.ir.saved import NOT_ACTIVATIONS, saved_by
 from lightning_nnscaler.ir.tensor import FLOATING
 from lightning_nnscaler.plans.stage_cuts import StageCut
 
+
 def stage_saved_bytes(graph: Graph, cut: StageCut, stages: int) -> tuple[int, ...]:
     """Per stage ``0 … stages - 1`` of ``cut``, the bytes its ops keep for backward over the whole batch."""
     grad = {tensor.name for tensor in graph.parameters if tensor.requires_grad}

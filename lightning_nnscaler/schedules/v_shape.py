@@ -119,7 +119,7 @@ def _v_schedule(
         first, second = rank, stages - 1 - rank
         held = sum((following[F, stage] - following[W, stage]) * saved[stage] for stage in (first, second))
         held += (following[F, first] - following[F, second]) * saved[second]
-        return held == 0 and arriving == 1 or held + arriving * (saved[first] + saved[second]) <= limit * (1 + 1e-9)
+        return (held == 0 and arriving == 1) or held + arriving * (saved[first] + saved[second]) <= limit * (1 + 1e-9)
 
     def admits(rank: int, stage: int) -> bool:  # a forward of ``stage`` on ``rank`` keeps the limit (see ``admission``)
         if admission == "stash":

@@ -108,13 +108,17 @@ def dependencies(schedule: Schedule, rank: int, action: Action, recv_index: int,
         keys: list[Key] = [(stage - 1, microbatch, Kind.FORWARD, None)] if stage > 0 else []
     elif kind is Kind.BACKWARD:
         keys = [(stage, microbatch, Kind.FORWARD, None)] + ([(stage + 1, microbatch, Kind.BACKWARD, None)] if stage + 1 < schedule.stages else [])
-    else:  # W, SEND_F, SEND_B: the action whose result it uses or sends
-        keys = [(stage, microbatch, Kind.FORWARD if kind is Kind.SEND_F else Kind.BACKWARD, None)]
+    else:
+        keys = [(stage, microbatch, _USES[kind], None)]
     if lowered and kind.is_compute:
         keys += [_identity(receive) for receive in communication_around(schedule, action, rank)[0]]
     if kind.is_compute and schedule.is_shared(stage):
         keys.append(("all", _identity(action)))  # a shared stage runs like a collective: every rank together
     return keys
+
+
+_USES = {Kind.WEIGHT: Kind.BACKWARD, Kind.SEND_F: Kind.FORWARD, Kind.SEND_B: Kind.BACKWARD}
+"""The action of the same segment whose result a W uses or a SEND sends."""
 
 
 def _identity(action: Action) -> Key:
